@@ -1,0 +1,325 @@
+"""The Python API, with vLLM's names: LLM, SamplingParams, RequestOutput, CompletionOutput."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Sequence as Seq
+
+import torch
+from torch import nn
+
+from quickdraft.drafts import (DraftModelProposer, LayerSkipProposer, NgramProposer, NoDraft, Proposer,
+                               SpeculativeConfig)
+from quickdraft.engine import Engine, RequestMetrics, Sequence
+from quickdraft.errors import QuickdraftError, TokenizerMismatchError
+from quickdraft.models import loader
+from quickdraft.models.runner import HFRunner
+from quickdraft.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+Prompt = str | dict[str, Any]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics
+    finished: bool = True
+
+
+def combine_metrics(parts: Seq[RequestMetrics]) -> RequestMetrics:
+    """Sum the metrics of several completions of one request (n > 1)."""
+    if len(parts) == 1:
+        return parts[0]
+    total = RequestMetrics(num_prompt_tokens=parts[0].num_prompt_tokens,
+                           num_speculative_tokens=parts[0].num_speculative_tokens,
+                           first_token_time_s=parts[0].first_token_time_s)
+    for m in parts:
+        for name in ("num_generated_tokens", "target_forwards", "draft_forwards", "proposed_tokens",
+                     "accepted_tokens", "draft_time_s", "target_time_s", "verify_time_s", "wall_time_s"):
+            setattr(total, name, getattr(total, name) + getattr(m, name))
+        for name in ("accepted_per_position", "proposed_per_position"):
+            mine, theirs = getattr(total, name), getattr(m, name)
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+    return total
+
+
+class TextStream:
+    """Iterates over the text deltas of one completion; `.output` holds the RequestOutput once it ends."""
+
+    def __init__(self, deltas: Iterator[str]):
+        self._deltas = deltas
+        self.output: RequestOutput | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self._deltas
+
+
+@dataclass
+class _Detokenizer:
+    """Incremental text for one sequence, with stop-string handling (vLLM semantics: the text ends before
+    the stop string unless include_stop_str_in_output; token_ids end with the token that completed it)."""
+
+    tokenizer: Any
+    params: SamplingParams
+    text: str = ""
+    sent: int = 0  # characters already handed to a stream
+    _hold: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        # A stop string may be split over steps: hold back what could be its beginning.
+        self._hold = max((len(s) for s in self.params.stop_list), default=1) - 1
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+
+    def update(self, seq: Sequence, num_new: int) -> str:
+        """Take the sequence's latest `num_new` tokens; truncate and finish it on a stop string; return the
+        new text that is safe to show."""
+        if self.tokenizer is None:
+            return ""
+        before = len(seq.output_ids) - num_new
+        text = self._decode(seq.output_ids)
+        if self.params.stop_list:
+            search_from = max(0, len(self.text) - self._hold)
+            hits = [(text.find(s, search_from), s) for s in self.params.stop_list]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                index, stop = min(hits)
+                # The fewest tokens whose text contains the stop string end the output.
+                for keep in range(before + 1, len(seq.output_ids) + 1):
+                    if stop in self._decode(seq.output_ids[:keep])[search_from:]:
+                        break
+                seq.truncate_output(keep, "stop")
+                text = text[: index + (len(stop) if self.params.include_stop_str_in_output else 0)]
+        self.text = text
+        safe = len(text) if seq.finished else len(text) - self._hold
+        while safe > self.sent and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 character
+            safe -= 1
+        if safe <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent: safe], safe
+        return delta
+
+
+def _check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+    if target_tok is None or draft_tok is None:
+        if (target_tok is None) != (draft_tok is None):
+            raise TokenizerMismatchError(
+                f"cannot check that draft '{draft_name}' shares the tokenizer of target '{target_name}': only one "
+                "of them has a tokenizer; use a draft of the same family, or method ngram or layer_skip")
+        return
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = next((t for t, i in target_vocab.items() if draft_vocab.get(t) != i), None)
+        raise TokenizerMismatchError(
+            f"draft model '{draft_name}' has another tokenizer than target '{target_name}' "
+            f"({len(draft_vocab)} vs {len(target_vocab)} tokens; first difference at token {differing!r}). "
+            "A draft model must share the target's tokenizer: use a smaller model of the same family, "
+            "or method 'ngram' or 'layer_skip'")
+
+
+class LLM:
+    """A target model with a speculative draft.
+
+    model: an alias (smollm2-135m, gemma3-270m), a .gguf file, a model directory, a hub id, or a loaded
+        transformers model (then pass `tokenizer` too, or drive it with prompt_token_ids).
+    speculative_config: {"method": "ngram"|"draft_model"|"layer_skip"|"none", "num_speculative_tokens": K,
+        "model": ..., "num_layers": ..., "prompt_lookup_min": ..., "prompt_lookup_max": ...}.
+    speculative_model / num_speculative_tokens: shorthand for method draft_model.
+    """
+
+    def __init__(
+        self,
+        model: str | nn.Module = loader.DEFAULT_MODEL,
+        *,
+        tokenizer: Any = None,
+        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+        speculative_model: str | nn.Module | None = None,
+        num_speculative_tokens: int | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
+        seed: int | None = None,
+        trust_remote_code: bool = False,
+        max_model_len: int | None = None,
+    ):
+        self.device = loader.resolve_device(device)
+        self.dtype = loader.resolve_dtype(dtype, self.device)
+        self.trust_remote_code = trust_remote_code
+        config = dict(speculative_config or {}) if not isinstance(speculative_config, SpeculativeConfig) \
+            else speculative_config
+        if speculative_model is not None or num_speculative_tokens is not None:
+            if isinstance(config, SpeculativeConfig):
+                raise QuickdraftError("pass either speculative_config or speculative_model/num_speculative_tokens")
+            if speculative_model is not None:
+                config.setdefault("method", "draft_model")
+                config["model"] = speculative_model
+            if num_speculative_tokens is not None:
+                config["num_speculative_tokens"] = num_speculative_tokens
+        self.speculative_config = SpeculativeConfig.from_dict(config)
+
+        self.model_name, target_model, self.tokenizer = self._load(model, tokenizer)
+        self.target = HFRunner(target_model, name=self.model_name)
+        self.proposer = self._build_proposer(self.speculative_config)
+        eos = self._eos_token_ids(target_model)
+        if max_model_len is not None and not (isinstance(max_model_len, int) and max_model_len >= 2):
+            raise QuickdraftError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        self.engine = Engine(self.target, self.proposer, self.speculative_config.effective_k, eos, max_model_len)
+        self._seed_rng = random.Random(seed)
+
+    # --- construction -------------------------------------------------------------------------------------
+    def _load(self, model: str | nn.Module, tokenizer: Any):
+        if isinstance(model, nn.Module):
+            return type(model).__name__, model.to(device=self.device, dtype=self.dtype).eval(), tokenizer
+        source = loader.resolve(model)
+        loaded, loaded_tokenizer = loader.load(source, self.dtype, self.device, self.trust_remote_code)
+        return model, loaded, tokenizer if tokenizer is not None else loaded_tokenizer
+
+    def _build_proposer(self, config: SpeculativeConfig) -> Proposer:
+        if config.method == "none":
+            return NoDraft()
+        if config.method == "ngram":
+            return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        if config.method == "layer_skip":
+            return LayerSkipProposer(self.target, config.num_layers)
+        draft_name, draft_model, draft_tokenizer = self._load(config.model, None)
+        if self.tokenizer is not None or draft_tokenizer is not None:
+            _check_same_tokenizer(self.tokenizer, draft_tokenizer, self.model_name, draft_name)
+        return DraftModelProposer(HFRunner(draft_model, name=draft_name), self.target.vocab_size)
+
+    @staticmethod
+    def _eos_token_ids(model: nn.Module) -> set[int]:
+        ids: set[int] = set()
+        for cfg in (getattr(model, "generation_config", None), model.config):
+            eos = getattr(cfg, "eos_token_id", None)
+            if eos is not None:
+                ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+        return ids
+
+    # --- prompts -----------------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                    raise QuickdraftError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise QuickdraftError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if not isinstance(prompt, str):
+            raise QuickdraftError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+        if not prompt.strip():
+            raise QuickdraftError("the prompt is empty; give some text to continue")
+        if self.tokenizer is None:
+            raise QuickdraftError(f"model '{self.model_name}' has no tokenizer; pass {{'prompt_token_ids': [...]}}")
+        return prompt, self.tokenizer(prompt)["input_ids"]
+
+    def apply_chat_template(self, messages: list[dict[str, str]], chat_template: str | None = None) -> str:
+        if self.tokenizer is None:
+            raise QuickdraftError(f"model '{self.model_name}' has no tokenizer, so no chat template")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise QuickdraftError(
+                f"model '{self.model_name}' has no chat template (it is a base model); use generate() with a plain "
+                "prompt (CLI: drop --chat), or pass chat_template=...")
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise QuickdraftError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        return self.tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def _generator(self, params: SamplingParams) -> torch.Generator:
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    # --- generation --------------------------------------------------------------------------------------
+    def _run(self, prompt: Prompt, params: SamplingParams, request_id: str) -> Iterator[str]:
+        """Generate all n completions of one request, yielding text deltas; returns the RequestOutput."""
+        text, prompt_ids = self._prompt_ids(prompt)
+        generator = self._generator(params)
+        completions, metrics = [], []
+        for index in range(params.n):
+            seq = self.engine.new_sequence(prompt_ids, params, generator)
+            detok = _Detokenizer(self.tokenizer, params)
+            for tokens in self.engine.run(seq):
+                delta = detok.update(seq, len(tokens))
+                if delta and index == 0:
+                    yield delta
+            completions.append(CompletionOutput(index, detok.text, list(seq.output_ids), seq.finish_reason))
+            metrics.append(seq.metrics)
+        return RequestOutput(request_id, text, prompt_ids, completions, combine_metrics(metrics))
+
+    def _drain(self, gen: Iterator[str]) -> RequestOutput:
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                return stop.value
+
+    def generate(self, prompts: Prompt | Iterable[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt; one SamplingParams for all, or one per prompt."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise QuickdraftError("no prompts given")
+        params_list = self._params_list(sampling_params, len(prompts))
+        return [self._drain(self._run(p, sp, str(i))) for i, (p, sp) in enumerate(zip(prompts, params_list))]
+
+    @staticmethod
+    def _params_list(sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params_list = list(sampling_params)
+        if len(params_list) != count:
+            raise QuickdraftError(f"got {len(params_list)} SamplingParams for {count} prompts")
+        return params_list
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self._chat_prompt(c, chat_template) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def _chat_prompt(self, messages, chat_template=None) -> dict[str, Any]:
+        text = self.apply_chat_template(messages, chat_template)
+        # The template already holds the special tokens; tokenizing must not add a second BOS.
+        return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]}
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> TextStream:
+        """Text deltas of the first completion as they are generated; `.output` once the iteration ends."""
+        gen = self._run(prompt, sampling_params or SamplingParams(), "0")
+        stream = TextStream(iter(()))
+
+        def deltas() -> Iterator[str]:
+            stream.output = yield from gen
+
+        stream._deltas = deltas()
+        return stream
+
+    def stream_chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None,
+                    chat_template: str | None = None) -> TextStream:
+        return self.stream(self._chat_prompt(messages, chat_template), sampling_params)

@@ -1,0 +1,54 @@
+"""Per-sequence KV cache with O(1) rollback.
+
+The cache holds the keys and values of the tokens in `token_ids`, position i for token i. Appending
+happens inside the model's forward; rolling back rejected draft positions only shortens the cached
+tensors (a view, no copy and no recomputation of the prefix).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class SequenceCache:
+    def __init__(self) -> None:
+        # No config on purpose: every layer, sliding-window ones included, keeps all its positions, so a
+        # rollback never needs a key that a sliding window already evicted. Masks still apply the window.
+        self.kv = DynamicCache()
+        self._token_ids: list[int] = []
+        self._pending: list[torch.Tensor] = []  # device tensors appended but not yet read back to the host
+
+    def __len__(self) -> int:
+        return len(self._token_ids) + sum(int(t.numel()) for t in self._pending)
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self._pending:
+            self._token_ids.extend(torch.cat(self._pending).tolist())
+            self._pending.clear()
+        return self._token_ids
+
+    def record(self, tokens: torch.Tensor) -> None:
+        """Note tokens whose keys and values the model just appended (kept on the device until needed)."""
+        self._pending.append(tokens.reshape(-1))
+
+    def rollback(self, length: int) -> None:
+        """Forget every position >= length."""
+        ids = self.token_ids
+        if length < 0 or length > len(ids):
+            raise ValueError(f"cannot roll back a cache of {len(ids)} positions to {length}")
+        removed = len(ids) - length
+        if removed:
+            self.kv.crop(-removed)
+            del ids[length:]
+
+    def sync(self, history: list[int]) -> int:
+        """Roll back to the longest common prefix of the cached tokens and `history`; returns its length.
+        The caller then feeds history[length:]."""
+        ids = self.token_ids
+        common = min(len(ids), len(history))
+        if ids[:common] != history[:common]:  # a C-level compare; the loop below runs only on a mismatch
+            common = next(i for i, (a, b) in enumerate(zip(ids, history)) if a != b)
+        self.rollback(common)
+        return common

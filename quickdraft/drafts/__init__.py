@@ -1,0 +1,71 @@
+"""Draft methods behind one interface, one file each, and the configuration that picks one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from quickdraft.drafts.base import Proposal, Proposer
+from quickdraft.drafts.draft_model import DraftModelProposer
+from quickdraft.drafts.layer_skip import LayerSkipProposer
+from quickdraft.drafts.ngram import NgramProposer
+from quickdraft.drafts.none import NoDraft
+from quickdraft.errors import QuickdraftError
+
+METHODS = ("none", "ngram", "draft_model", "layer_skip")
+DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM-style speculative configuration.
+
+    method: none | ngram | draft_model | layer_skip (inferred as draft_model when only `model` is given).
+    num_speculative_tokens: K, the draft length per step.
+    model: the draft model for draft_model (alias, .gguf, directory or hub id).
+    num_layers: how many of the target's layers layer_skip keeps.
+    prompt_lookup_min / prompt_lookup_max: the n-gram sizes ngram tries, longest first.
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    model: str | None = None
+    num_layers: int | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = "draft_model" if self.model else "none"
+        if self.method not in METHODS:
+            raise QuickdraftError(f"unknown speculative method {self.method!r}; use one of {', '.join(METHODS)}")
+        k = self.num_speculative_tokens
+        if self.method != "none" and not (isinstance(k, int) and k >= 1):
+            raise QuickdraftError(f"num_speculative_tokens (K) must be an integer >= 1, got {k!r}")
+        if self.method == "draft_model" and not self.model:
+            raise QuickdraftError("method 'draft_model' needs a draft model: set speculative_config['model']")
+        if self.method == "layer_skip" and not (isinstance(self.num_layers, int) and self.num_layers >= 1):
+            raise QuickdraftError("method 'layer_skip' needs num_layers, an integer >= 1 "
+                                  "(how many of the target's layers the draft keeps)")
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any] | "SpeculativeConfig" | None) -> "SpeculativeConfig":
+        if config is None:
+            return cls()
+        if isinstance(config, SpeculativeConfig):
+            return config
+        if not isinstance(config, dict):
+            raise QuickdraftError(f"speculative_config must be a dict, got {type(config).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise QuickdraftError(f"unknown speculative_config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**config)
+
+    @property
+    def effective_k(self) -> int:
+        return 0 if self.method == "none" else self.num_speculative_tokens
+
+
+__all__ = ["METHODS", "SpeculativeConfig", "Proposal", "Proposer", "NoDraft", "NgramProposer",
+           "DraftModelProposer", "LayerSkipProposer"]

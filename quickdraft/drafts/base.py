@@ -1,0 +1,46 @@
+"""The proposer interface every draft method implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from quickdraft.engine import Sequence
+
+
+@dataclass
+class Proposal:
+    """Up to K draft tokens for one sequence.
+
+    tokens: [k] on the target's device (k may be smaller than asked, or 0).
+    probs: [k, V_target] processed draft distributions q the tokens were drawn from, or None when the
+    draft is deterministic (n-gram lookup, or any draft under greedy decoding): verification then treats q
+    as one-hot at each token, which is exact."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+
+    @staticmethod
+    def empty(device: torch.device) -> "Proposal":
+        return Proposal(torch.empty(0, dtype=torch.long, device=device))
+
+
+class Proposer(ABC):
+    """Proposes draft tokens for a sequence. State that belongs to one request (a draft KV cache) lives in
+    the object returned by `new_state` and is stored on the Sequence, so proposers serve many requests."""
+
+    name: str = "proposer"
+
+    def __init__(self) -> None:
+        self.forwards = 0  # draft model calls, for metrics
+
+    def new_state(self, seq: "Sequence") -> Any:
+        return None
+
+    @abstractmethod
+    def propose(self, seq: "Sequence", k: int) -> Proposal:
+        """Propose at most k >= 1 tokens to follow seq.token_ids."""

@@ -1,0 +1,56 @@
+"""`draft_model`: a smaller model sharing the target's tokenizer proposes K tokens autoregressively.
+
+Each draft token is drawn from the draft's distribution processed exactly like the target's (same
+penalties with the same history, temperature, top-k/p, min-p); that processed q is what verification
+divides by. Under greedy decoding the draft takes its argmax and verification needs no q."""
+
+from __future__ import annotations
+
+import torch
+
+from quickdraft import sampling
+from quickdraft.drafts.base import Proposal, Proposer
+from quickdraft.models.runner import HFRunner
+
+
+class DraftModelProposer(Proposer):
+    name = "draft_model"
+
+    def __init__(self, runner: HFRunner, target_vocab_size: int):
+        super().__init__()
+        self.runner = runner
+        self.target_vocab_size = target_vocab_size
+
+    def new_state(self, seq):
+        return self.runner.new_cache()
+
+    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        # Vocabularies that differ only by padding rows: drop the draft's extra rows, or give the target's
+        # extra (padding) ids zero draft probability.
+        extra = self.target_vocab_size - logits.shape[-1]
+        if extra < 0:
+            return logits[..., : self.target_vocab_size]
+        if extra > 0:
+            return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
+        return logits
+
+    def propose(self, seq, k: int) -> Proposal:
+        cache = seq.draft_state
+        history = seq.token_ids
+        start = cache.sync(history)
+        if start == len(history):  # everything is cached: recompute the last position for its logits
+            start -= 1
+            cache.rollback(start)
+        feed = torch.tensor(history[start:], dtype=torch.long, device=self.runner.device)
+        tokens = torch.empty(k, dtype=torch.long, device=seq.device)
+        probs = None if seq.params.greedy else torch.empty(k, self.target_vocab_size, device=seq.device)
+        for i in range(k):
+            logits = self._to_target_vocab(self.runner.forward(cache, feed)).to(seq.device)
+            self.forwards += 1
+            processed = seq.process(logits, tokens[:i], first_row=i)
+            token = sampling.sample(processed, seq.params, seq.generator)
+            tokens[i] = token[0]
+            if probs is not None:
+                probs[i] = processed[0]
+            feed = token
+        return Proposal(tokens, probs)

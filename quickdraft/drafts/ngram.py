@@ -1,0 +1,40 @@
+"""`ngram`: prompt lookup decoding (Saxena 2023). No model: the draft is the continuation of the most
+recent earlier occurrence of the sequence's last n tokens, in the prompt or the generated text."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from quickdraft.drafts.base import Proposal, Proposer
+from quickdraft.errors import QuickdraftError
+
+
+def find_continuation(ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """The up-to-k tokens that followed the most recent earlier match of the longest suffix of `ids` with
+    length in [min_n, max_n]; empty when nothing matches."""
+    length = ids.shape[0]
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = ids[length - n:]
+        # Windows starting at 0 .. length-n-1: every occurrence except the suffix itself.
+        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
+        starts = np.flatnonzero((windows == suffix).all(axis=1))
+        if starts.size:
+            start = int(starts[-1]) + n
+            return ids[start:start + k]
+    return ids[:0]
+
+
+class NgramProposer(Proposer):
+    name = "ngram"
+
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        super().__init__()
+        if not (isinstance(min_n, int) and isinstance(max_n, int) and 1 <= min_n <= max_n):
+            raise QuickdraftError(f"ngram: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n} and {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, seq, k: int) -> Proposal:
+        ids = np.asarray(seq.token_ids, dtype=np.int64)
+        tokens = find_continuation(ids, self.min_n, self.max_n, k)
+        return Proposal(torch.from_numpy(tokens.copy()).to(seq.device))

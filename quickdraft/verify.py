@@ -1,0 +1,83 @@
+"""Speculative verification: rejection sampling (Leviathan et al. 2023, Chen et al. 2023) and greedy matching.
+
+Pure tensor functions, batched over a leading dimension B, with no host synchronisation: the caller reads
+the results once per step.
+
+Position convention (the classic off-by-one): the target is run on [last committed token, d_1, ..., d_K];
+its output row i is the distribution of the token *after* input i, so row i scores draft token d_{i+1}
+(0-based: `p[:, i]` scores `draft[:, i]`) and row K is the bonus position used when all K are accepted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept the longest prefix of draft tokens equal to the target's argmax.
+
+    target_logits: [B, K+1, V] (processed, e.g. penalised), draft_tokens: [B, K].
+    Returns (num_accepted [B], next_token [B]): the target's own choice after the accepted prefix."""
+    target_tokens = target_logits.argmax(-1)
+    k = draft_tokens.shape[-1]
+    matches = (target_tokens[:, :k] == draft_tokens).long()
+    num_accepted = matches.cumprod(-1).sum(-1)
+    next_token = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)
+    return num_accepted, next_token
+
+
+def _as_draft_probs(q: torch.Tensor | None, draft_tokens: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    # A deterministic draft (n-gram lookup) proposes with probability one: q is one-hot at its token.
+    if q is not None:
+        return q.to(like.dtype)
+    return torch.zeros_like(like).scatter_(-1, draft_tokens[..., None], 1.0)
+
+
+def acceptance_probs(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """min(1, p(x)/q(x)) for each draft token x. p, q: [B, K, V]; q None means one-hot. Returns [B, K]."""
+    q = _as_draft_probs(q, draft_tokens, p)
+    px = p.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    qx = q.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    # A token drawn from q has q(x) > 0; the clamp only keeps a 0/0 from becoming NaN (it gives 0).
+    return (px / qx.clamp_min(torch.finfo(p.dtype).tiny)).clamp(max=1.0)
+
+
+def residual_probs(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """The distribution to sample from after a rejection: max(0, p - q) renormalised. [B, K, V].
+
+    When p == q the residual is empty; a rejection then has probability zero, and p is returned so the
+    result stays a distribution."""
+    q = _as_draft_probs(q, draft_tokens, p)
+    residual = (p - q).clamp_min(0.0)
+    total = residual.sum(-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp_min(torch.finfo(p.dtype).tiny), p)
+
+
+def rejection_sample(
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless speculative sampling.
+
+    p: [B, K+1, V] processed target probabilities, q: [B, K, V] processed draft probabilities or None for a
+    deterministic draft, draft_tokens: [B, K]. Token i is accepted with probability min(1, p_i(x)/q_i(x));
+    at the first rejection the next token is drawn from max(0, p_i - q_i) renormalised; when all K are
+    accepted it is a bonus token drawn from p_K. The emitted tokens are distributed exactly as K+1 steps of
+    plain sampling from p. Returns (num_accepted [B], next_token [B])."""
+    batch, k = draft_tokens.shape
+    vocab = p.shape[-1]
+    if k == 0:
+        return (
+            torch.zeros(batch, dtype=torch.long, device=p.device),
+            torch.multinomial(p[:, 0], 1, generator=generator).squeeze(1),
+        )
+    uniform = torch.rand(batch, k, generator=generator, device=p.device, dtype=p.dtype)
+    accepted = (uniform < acceptance_probs(p[:, :k], q, draft_tokens)).long()
+    num_accepted = accepted.cumprod(-1).sum(-1)
+    # One distribution per position: the residual where a rejection would happen, p_K for the bonus.
+    candidates = torch.cat([residual_probs(p[:, :k], q, draft_tokens), p[:, k:]], dim=1)
+    chosen = candidates.gather(1, num_accepted[:, None, None].expand(batch, 1, vocab)).squeeze(1)
+    next_token = torch.multinomial(chosen, 1, generator=generator).squeeze(1)
+    return num_accepted, next_token

@@ -164,14 +164,37 @@ def _conversion_dir(source: ModelSource) -> Path | None:
     return root / "converted" / f"{source.gguf_path.stem}-{key}"
 
 
-def _load_tokenizer(path, gguf_file: str | None, trust_remote_code: bool):
+def _load_tokenizer(path, gguf_file: str | None, trust_remote_code: bool, local_files_only: bool = False):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, trust_remote_code=trust_remote_code,
+                                             local_files_only=local_files_only)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.info("no tokenizer in %s: %s", path, exc)
         return None
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """A quick connection check, so that a hub id without network fails at once instead of after the hub
+    client's retries (about 25 s)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def _is_hub_id(source: ModelSource) -> bool:
+    return source.gguf_file is None and not Path(source.path).is_dir()
 
 
 def load(source: ModelSource, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
@@ -181,18 +204,21 @@ def load(source: ModelSource, dtype: torch.dtype, device: torch.device, trust_re
 
     converted = _conversion_dir(source)
     kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code)
+    if _is_hub_id(source) and not _hub_reachable():
+        kwargs["local_files_only"] = True  # only the local Hugging Face cache can serve it
     try:
         if converted is not None and (converted / "config.json").is_file():
             model = AutoModelForCausalLM.from_pretrained(converted, **kwargs)
             tokenizer = _load_tokenizer(converted, None, trust_remote_code)
         else:
             model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
-            tokenizer = _load_tokenizer(source.path, source.gguf_file, trust_remote_code)
+            tokenizer = _load_tokenizer(source.path, source.gguf_file, trust_remote_code,
+                                        kwargs.get("local_files_only", False))
             if converted is not None:
                 _save_conversion(model, tokenizer, converted)
     except OSError as exc:
         raise ModelNotFoundError(
-            f"could not load model '{source.name}': {exc}. Without network access only aliases "
+            f"could not load model '{source.name}': {str(exc).splitlines()[0]} Without network access only aliases "
             f"({', '.join(ALIASES)}), local directories, .gguf files and models already in the Hugging Face "
             "cache can be loaded"
         ) from None

@@ -1,0 +1,131 @@
+"""Command line: `quickdraft generate` (and `quickdraft bench`). A thin adapter over the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from quickdraft.errors import QuickdraftError
+
+
+def draft_config(draft: str, k: int) -> dict[str, Any]:
+    """--draft ngram | layers:N | none | MODEL  ->  a speculative_config dict."""
+    if draft == "none":
+        return {"method": "none"}
+    if draft == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k}
+    if draft.startswith("layers:"):
+        value = draft.split(":", 1)[1]
+        if not value.isdigit():
+            raise QuickdraftError(f"--draft {draft}: expected layers:N with N a positive integer, e.g. layers:12")
+        return {"method": "layer_skip", "num_layers": int(value), "num_speculative_tokens": k}
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with speculative decoding")
+    p.add_argument("prompt", help="the prompt (a user message with --chat)")
+    p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
+    p.add_argument("--draft", default="ngram", help="ngram | layers:N | none | a draft MODEL (default: ngram)")
+    p.add_argument("--k", type=int, default=5, help="speculative tokens per step (default 5)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and metrics")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.set_defaults(func=run_generate)
+
+
+def summary_line(metrics, method: str, k: int) -> str:
+    parts = [f"{metrics.num_generated_tokens} tokens in {metrics.wall_time_s:.2f} s",
+             f"{metrics.tokens_per_s or 0:.1f} tok/s", f"draft {method}" + (f" K={k}" if method != "none" else "")]
+    if metrics.acceptance_rate is not None:
+        parts.append(f"acceptance {metrics.acceptance_rate:.1%}")
+    if metrics.mean_accepted_length is not None:
+        parts.append(f"mean accepted length {metrics.mean_accepted_length:.2f}")
+    parts.append(f"target forwards {metrics.target_forwards}")
+    return "[quickdraft] " + " | ".join(parts)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from quickdraft import LLM, SamplingParams
+    from quickdraft.models.loader import DEFAULT_MODEL
+
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
+    )
+    if not args.prompt.strip():
+        raise QuickdraftError("the prompt is empty; give some text to continue")
+    spec = draft_config(args.draft, args.k)
+    _quiet_transformers()
+    llm = LLM(args.model or DEFAULT_MODEL, speculative_config=spec, dtype=args.dtype, device=args.device,
+              trust_remote_code=args.trust_remote_code)
+    prompt = llm._chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    stream = llm.stream(prompt, params)
+    for delta in stream:
+        if not args.json:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    out = stream.output
+    completion = out.outputs[0]
+    if args.json:
+        print(json.dumps({"text": completion.text, "token_ids": completion.token_ids,
+                          "finish_reason": completion.finish_reason, "metrics": out.metrics.to_dict()}))
+    else:
+        sys.stdout.write("\n")
+        print(summary_line(out.metrics, llm.speculative_config.method, llm.speculative_config.effective_k),
+              file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="quickdraft", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    try:
+        from quickdraft.bench.cli import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except QuickdraftError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

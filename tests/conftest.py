@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random models of each supported family, and the packaged GGUF models."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = 32, layers: int = 4, max_len: int = 256, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_len,
+                         eos_token_id=None, bos_token_id=None, pad_token_id=None, **overrides)
+    model = LlamaForCausalLM(config).eval()
+    # Larger-than-default weights give peaked, varied distributions instead of near-uniform ones.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(8.0)
+    return model
+
+
+def tiny_gemma3(seed: int = 0, vocab_size: int = 32, layers: int = 4, sliding_window: int = 4, max_len: int = 256):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                              max_position_embeddings=max_len, sliding_window=sliding_window,
+                              layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                              eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The packaged SmolLM2-135M-Instruct as a plain (non-speculative) LLM, float32 on CPU."""
+    from quickdraft import LLM
+
+    return LLM("smollm2-135m", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    from quickdraft import LLM
+
+    return LLM("gemma3-270m", dtype="float32", device="cpu")

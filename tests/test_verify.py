@@ -1,0 +1,161 @@
+"""Losslessness of verification, computed exactly by enumeration, plus Monte Carlo checks of the sampler.
+
+The enumerations use the implementation's own pieces (processing, acceptance probabilities, residuals) and
+compare the distribution of emitted tokens with plain autoregressive sampling from the processed target."""
+
+import itertools
+
+import pytest
+import torch
+from scipy import stats
+
+from quickdraft import SamplingParams
+from quickdraft.sampling import PenaltyHistory, process
+from quickdraft.verify import acceptance_probs, greedy_accept, rejection_sample, residual_probs
+
+V = 5
+DTYPE = torch.float64
+PROCESSING = [
+    dict(temperature=t, top_k=k, top_p=p, min_p=m, repetition_penalty=r, presence_penalty=pp, frequency_penalty=f)
+    for t, k, p, m, r, pp, f in itertools.product(
+        [0.6, 1.0, 1.8], [0, 3], [1.0, 0.7], [0.0, 0.15], [1.0, 1.4], [0.0, 0.5], [0.0, 0.3])
+]
+
+
+def _history(prefix):
+    hist = PenaltyHistory([0, 1], V, torch.device("cpu"))  # prompt tokens 0 and 1
+    hist.append(list(prefix))
+    return hist
+
+
+def _processed(logits, params, prefix, pending=()):
+    """Processed distributions of consecutive rows after prefix + pending[:i] (the implementation's path)."""
+    hist = _history(prefix)
+    pending = torch.tensor(list(pending), dtype=torch.long)
+    seen, counts = hist.rows(pending, logits.shape[0])
+    return process(logits, SamplingParams(**params), seen, counts)
+
+
+def _emitted_first_token(p, q, x):
+    """Exact distribution of the emitted token when draft token x was proposed from q (q None: one-hot)."""
+    a = acceptance_probs(p[None, None], None if q is None else q[None, None], torch.tensor([[x]]))[0, 0]
+    r = residual_probs(p[None, None], None if q is None else q[None, None], torch.tensor([[x]]))[0, 0]
+    accept = torch.zeros(V, dtype=DTYPE)
+    accept[x] = a
+    return accept + (1 - a) * r
+
+
+@pytest.mark.parametrize("params", PROCESSING, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_one_position_is_exact_for_every_processing(params):
+    gen = torch.Generator().manual_seed(hash(tuple(params.values())) % 2**31)
+    for _ in range(4):
+        target = _processed(torch.randn(1, V, generator=gen, dtype=DTYPE) * 2, params, [2, 3, 3])[0]
+        draft = _processed(torch.randn(1, V, generator=gen, dtype=DTYPE) * 2, params, [2, 3, 3])[0]
+        emitted = sum(draft[x] * _emitted_first_token(target, draft, x) for x in range(V))
+        assert (emitted - target).abs().max() < 1e-6
+        # A deterministic draft is exact whatever single token it proposes.
+        for x in range(V):
+            assert (_emitted_first_token(target, None, x) - target).abs().max() < 1e-6
+
+
+def _plain_joint(tables, params, length):
+    """Plain autoregressive P(y_1..y_length) from a 'model' given as a table of logits per prefix."""
+    joint = {}
+    for ys in itertools.product(range(V), repeat=length):
+        prob = 1.0
+        for i in range(length):
+            prob *= _processed(tables[ys[:i]][None], params, ys[:i])[0][ys[i]].item()
+        joint[ys] = prob
+    return joint
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.0), dict(temperature=0.7, top_k=3, repetition_penalty=1.5),
+    dict(temperature=1.3, top_p=0.8, presence_penalty=0.7, frequency_penalty=0.4),
+    dict(temperature=0.9, min_p=0.1, repetition_penalty=0.8, frequency_penalty=-0.5),
+], ids=["plain", "topk-rep", "topp-presence-freq", "minp-rewarding"])
+@pytest.mark.parametrize("deterministic_draft", [False, True])
+def test_two_draft_tokens_with_history_dependent_penalties_are_exact(params, deterministic_draft):
+    """K=2: the first three emitted tokens (two drafts and the bonus, or a correction and plain steps after
+    it) are distributed exactly as three steps of plain sampling, with penalties that see the draft tokens."""
+    gen = torch.Generator().manual_seed(7)
+    prefixes = [()] + [(a,) for a in range(V)] + [(a, b) for a in range(V) for b in range(V)]
+    target_table = {pre: torch.randn(V, generator=gen, dtype=DTYPE) * 2 for pre in prefixes}
+    draft_table = {pre: torch.randn(V, generator=gen, dtype=DTYPE) * 2 for pre in prefixes}
+    plain = _plain_joint(target_table, params, 3)
+
+    def plain_next(prefix, y):  # P(y | prefix) under plain sampling
+        return _processed(target_table[prefix][None], params, prefix)[0][y].item()
+
+    emitted = dict.fromkeys(plain, 0.0)
+    for x1, x2 in itertools.product(range(V), repeat=2):
+        q1 = _processed(draft_table[()][None], params, ())[0]
+        q2 = _processed(draft_table[(x1,)][None], params, (), pending=(x1,))[-1:][0]
+        if deterministic_draft:  # a fixed proposal (x1, x2): weight the enumeration uniformly
+            proposal_prob, q = 1.0 / V**2, None
+        else:
+            proposal_prob, q = (q1[x1] * q2[x2]).item(), torch.stack([q1, q2])
+        rows = torch.stack([target_table[()], target_table[(x1,)], target_table[(x1, x2)]])
+        p = _processed(rows, params, (), pending=(x1, x2))  # the verifier's three rows
+        drafts = torch.tensor([[x1, x2]])
+        a = acceptance_probs(p[None, :2], None if q is None else q[None], drafts)[0]
+        r = residual_probs(p[None, :2], None if q is None else q[None], drafts)[0]
+        for ys in plain:
+            y1, y2, y3 = ys
+            prob = (1 - a[0]).item() * r[0, y1].item() * plain_next((y1,), y2) * plain_next((y1, y2), y3)
+            if y1 == x1:
+                prob += a[0].item() * (1 - a[1]).item() * r[1, y2].item() * plain_next((y1, y2), y3)
+                if y2 == x2:
+                    prob += a[0].item() * a[1].item() * p[2, y3].item()
+            emitted[ys] += proposal_prob * prob
+    worst = max(abs(emitted[ys] - plain[ys]) for ys in plain)
+    assert worst < 1e-6
+    assert abs(sum(plain.values()) - 1) < 1e-9
+
+
+def test_rejection_sample_draws_from_the_right_rows():
+    """Monte Carlo over a batch of identical rows: the sampler's indexing (which row scores which draft
+    token, residual vs bonus) must give the exact joint law of (num_accepted, next_token)."""
+    gen = torch.Generator().manual_seed(3)
+    k, batch = 2, 200_000
+    p = torch.softmax(torch.randn(k + 1, V, generator=gen, dtype=DTYPE) * 1.5, -1)
+    q = torch.softmax(torch.randn(k, V, generator=gen, dtype=DTYPE) * 1.5, -1)
+    drafts = torch.tensor([1, 3])
+    n, nxt = rejection_sample(p.expand(batch, -1, -1), q.expand(batch, -1, -1), drafts.expand(batch, -1),
+                              torch.Generator().manual_seed(11))
+    a = acceptance_probs(p[None, :k], q[None], drafts[None])[0]
+    r = residual_probs(p[None, :k], q[None], drafts[None])[0]
+    expected = torch.zeros(k + 1, V, dtype=DTYPE)
+    expected[0] = (1 - a[0]) * r[0]
+    expected[1] = a[0] * (1 - a[1]) * r[1]
+    expected[2] = a[0] * a[1] * p[2]
+    observed = torch.zeros(k + 1, V, dtype=DTYPE)
+    observed.index_put_((n, nxt), torch.ones(batch, dtype=DTYPE), accumulate=True)
+    mask = expected.flatten() > 0
+    assert observed.flatten()[~mask].sum() == 0
+    chi2, pvalue = stats.chisquare(observed.flatten()[mask].numpy(), expected.flatten()[mask].numpy() * batch)
+    # Fixed seed; threshold at p = 1e-4 for this many cells.
+    assert pvalue > 1e-4, (chi2, pvalue)
+
+
+def test_rejection_sample_with_no_drafts_samples_the_target():
+    p = torch.tensor([[[0.0, 1.0, 0.0]]])
+    n, nxt = rejection_sample(p, None, torch.empty(1, 0, dtype=torch.long))
+    assert n.tolist() == [0] and nxt.tolist() == [1]
+
+
+def test_identical_draft_is_always_accepted_and_gets_a_bonus():
+    p = torch.softmax(torch.randn(3, V, dtype=DTYPE), -1)[None]
+    drafts = torch.tensor([[2, 4]])
+    n, _ = rejection_sample(p, p[:, :2].clone(), drafts)
+    assert n.tolist() == [2]
+
+
+def test_greedy_accept_counts_matching_prefix_and_uses_the_right_position():
+    # Row i is the target's prediction after input i: it scores draft token i.
+    logits = torch.full((1, 4, V), -1.0)
+    for i, tok in enumerate([3, 1, 4, 0]):
+        logits[0, i, tok] = 1.0
+    assert [t.tolist() for t in greedy_accept(logits, torch.tensor([[3, 1, 4]]))] == [[3], [0]]  # bonus
+    assert [t.tolist() for t in greedy_accept(logits, torch.tensor([[3, 2, 4]]))] == [[1], [1]]  # correction
+    assert [t.tolist() for t in greedy_accept(logits, torch.tensor([[0, 1, 4]]))] == [[0], [3]]

@@ -1,0 +1,181 @@
+"""`quickdraft bench` on a tiny random Llama with a word-level tokenizer and chat template (seconds), and its
+errors for bad input. No timing assertions: only structure, counts and exactness."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import tiny_llama
+from quickdraft.bench.run import BenchConfig, run_bench
+from quickdraft.errors import QuickdraftError
+
+WORDS = ["<unk>", "<s>", "</s>", "<user>", "<assistant>"] + [f"w{i}" for i in range(59)]  # 64 tokens
+CATEGORIES = ("writing", "qa")
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>")
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return tokenizer
+
+
+def write_dataset(path, lines):
+    path.write_text("".join(line if isinstance(line, str) else json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+@pytest.fixture
+def tiny_dataset(tmp_path):
+    text = lambda *ids: " ".join(f"w{i}" for i in ids)  # noqa: E731
+    return write_dataset(tmp_path / "bench.jsonl", [
+        {"question_id": 1, "category": "writing", "turns": [text(1, 2, 3, 4, 1, 2, 3), text(5, 6, 7)]},
+        {"question_id": 2, "category": "writing", "turns": [text(8, 9, 10, 8, 9, 10, 8)]},
+        {"question_id": 3, "category": "qa", "turns": [text(11, 12, 13, 11, 12)]},
+        {"question_id": 4, "category": "qa", "turns": [text(14, 15, 16, 17)]},
+        {"question_id": 5, "category": "math", "turns": [text(1)]},
+    ])
+
+
+def test_bench_smoke(tiny_dataset, tmp_path):
+    model = tiny_llama(vocab_size=len(WORDS), layers=2)
+    cfg = BenchConfig(dataset=str(tiny_dataset), methods="ngram,layers:1,hf,hf-lookup", k="1,3",
+                      max_new_tokens=10, categories="writing,qa", out=str(tmp_path / "out" / "results.json"),
+                      plots=str(tmp_path / "plots"), cost_repeats=2)
+    report = run_bench(cfg, model=model, tokenizer=tiny_tokenizer(), progress=False)
+
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert set(saved) == {"config", "methods", "costs", "k_sweep"}
+    assert saved["methods"].keys() == report["methods"].keys()
+    config = saved["config"]
+    assert config["methods"] == ["none", "ngram", "layers:1", "hf", "hf-lookup"]  # none added as the reference
+    assert config["k"] == [1, 3] and config["n_prompts"] == 4 and config["n_turns"] == 5
+    assert config["categories"] == list(CATEGORIES) and "chat template" in config["prompt_format"]
+
+    methods = saved["methods"]
+    assert set(methods) == {"none", "ngram", "layers:1", "hf", "hf-lookup"}
+    for name, m in methods.items():
+        for stats in [m["overall"], *m["categories"].values()]:
+            for key in ("tokens_per_s", "tokens_per_s_median", "speedup_vs_none", "speedup_vs_hf",
+                        "speedup_vs_llamacpp", "acceptance_rate", "mean_accepted_length", "acceptance_by_position",
+                        "n_prompts", "greedy_mismatches"):
+                assert key in stats, (name, key)
+            assert stats["tokens_per_s"] > 0 and stats["speedup_vs_hf"] > 0
+            assert stats["speedup_vs_llamacpp"] is None  # llama.cpp did not run
+        assert set(m["categories"]) == set(CATEGORIES)
+        assert m["overall"]["n_prompts"] == 4 and m["categories"]["writing"]["n_prompts"] == 2
+        assert m["overall"]["n_turns"] == 5 and len(m["prompts"]) == 4
+        # No EOS in the tiny model: every turn generates max_new_tokens, both turns of the multi-turn record count.
+        assert m["overall"]["generated_tokens"] == 5 * 10
+    assert methods["none"]["overall"]["speedup_vs_none"] == 1.0
+    assert methods["hf"]["overall"]["speedup_vs_hf"] == 1.0
+    for name in ("none", "hf", "hf-lookup"):
+        assert methods[name]["overall"]["acceptance_rate"] is None
+        assert methods[name]["overall"]["mean_accepted_length"] is None
+    for name in ("ngram", "layers:1"):
+        overall = methods[name]["overall"]
+        assert methods[name]["k"] in (1, 3)
+        assert 0 <= overall["acceptance_rate"] <= 1
+        assert all(0 <= r <= 1 for r in overall["acceptance_by_position"] if r is not None)
+        assert 1 <= overall["mean_accepted_length"] <= methods[name]["k"] + 1
+        assert overall["time_per_step"]["target_ms"] > 0
+    assert methods["layers:1"]["overall"]["acceptance_by_position"]
+
+    # Greedy exactness in float32: any divergence must be reported as a near-tie (float noise), never hidden.
+    for name, m in methods.items():
+        assert m["overall"]["greedy_mismatches"] == len({(d["k"], d["question_id"]) for d in m["divergences"]})
+        for d in m["divergences"]:
+            assert d["near_tie"], (name, d)
+    assert methods["ngram"]["overall"]["greedy_mismatches"] == 0 or methods["ngram"]["divergences"]
+
+    costs = saved["costs"]
+    assert set(costs["target_forward_ms"]) == {"1", "2", "3", "4"} and costs["context_tokens"] > 0
+    assert {"ngram k=1", "ngram k=3", "layers:1 k=1", "layers:1 k=3"} <= set(costs["methods"])
+    for entry in costs["methods"].values():
+        assert entry["predicted_speedup"] is None or entry["predicted_speedup"] > 0
+        assert entry["alpha"] is None or 0 <= entry["alpha"] <= 1
+
+    sweep = saved["k_sweep"]
+    assert set(sweep) == {"ngram", "layers:1", "hf-lookup"}
+    for name, s in sweep.items():
+        assert s["k"] == [1, 3] and s["best_k"] in (1, 3) and len(s["measured_speedup"]) == 2
+        assert all(v is not None and v > 0 for v in s["measured_speedup"])
+    assert all(p is not None and math.isfinite(p) for p in sweep["layers:1"]["predicted_speedup"])
+    assert sweep["hf-lookup"]["predicted_speedup"] == [None, None]
+
+    plots = {p.rsplit("/", 1)[-1] for p in config["plots"]}
+    assert {"tokens_per_s.png", "speedup_vs_none.png", "acceptance_by_position.png", "k_sweep.png",
+            "time_per_step.png"} <= plots
+    for name in plots:
+        assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_raw_prompts_without_chat_template(tiny_dataset):
+    from quickdraft import LLM
+    from quickdraft.bench.dataset import PromptFormat
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = None
+    prompts = PromptFormat(LLM(tiny_llama(vocab_size=len(WORDS), layers=2), tokenizer=tokenizer))
+    assert not prompts.chat and "no chat template" in prompts.description
+    assert prompts.prompt_ids(["w1 w2"], []) == tokenizer("w1 w2")["input_ids"]
+    assert prompts.prompt_ids(["w1 w2", "w5"], ["w3 w4"]) == tokenizer("w1 w2\n\nw3 w4\n\nw5")["input_ids"]
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"question_id": 1, "category": "qa", "turns": ["w1"]}\n', '{"question_id": 2, "category": \n'],
+     "line 2: not valid JSON"),
+    ([{"question_id": 1, "turns": ["w1"]}], "lacks 'category'"),
+    ([{"question_id": 1, "category": "qa", "turns": []}], "'turns' must be a non-empty list"),
+    ([{"question_id": 1, "category": "qa", "turns": "w1"}], "'turns' must be a non-empty list"),
+    (["[1, 2]\n"], "expected a JSON object"),
+    (["\n"], "holds no records"),
+])
+def test_bad_dataset(tmp_path, lines, message):
+    path = write_dataset(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(QuickdraftError, match=message):
+        run_bench(BenchConfig(dataset=str(path)), progress=False)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"dataset": "/nonexistent/spec_bench.jsonl"}, "does not exist"),
+    ({"categories": "qa,poetry"}, r"unknown category poetry; the dataset has: writing, qa, math"),
+    ({"limit_per_category": 0}, "limit-per-category must be >= 1"),
+    ({"methods": "ngram,bogus"}, r"unknown method 'bogus'"),
+    ({"methods": "ngram,layers:x"}, r"layers:N with N a positive integer"),
+    ({"methods": "ngram,ngram"}, "more than once"),
+    ({"methods": "ngram,"}, "comma list of methods"),
+    ({"methods": "hf-assist:"}, "needs an assistant model"),
+    ({"k": "1,x"}, "comma list of positive integers"),
+    ({"k": "0"}, "comma list of positive integers"),
+    ({"max_new_tokens": 0}, "max-new-tokens must be"),
+    ({"temperature": -1.0}, "temperature must be >= 0"),
+])
+def test_bad_options(tiny_dataset, options, message):
+    # Bad input fails before any model is loaded (no model is given here).
+    with pytest.raises(QuickdraftError, match=message):
+        run_bench(BenchConfig(**{"dataset": str(tiny_dataset), **options}), progress=False)
+
+
+def test_llamacpp_missing_says_how_to_install(tiny_dataset, monkeypatch):
+    from quickdraft.bench import methods
+
+    monkeypatch.setattr(methods, "llama_cpp_available", lambda: False)
+    with pytest.raises(QuickdraftError, match=r"llama-cpp-python.*quickdraft\[bench\]"):
+        methods.parse_methods("none,llamacpp-lookup")
+
+
+def test_cli_reports_bad_input(tmp_path, capsys):
+    from quickdraft.cli import main
+
+    assert main(["bench", "--dataset", str(tmp_path / "missing.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err

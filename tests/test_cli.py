@@ -1,0 +1,54 @@
+"""The CLI: bad input gives one clear line and exit code 2, no traceback; a real run prints JSON."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "quickdraft.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("args, word", [
+    (["generate", "", "--draft", "none"], "prompt is empty"),
+    (["generate", "hi", "--k", "0"], "num_speculative_tokens"),
+    (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "hi", "--top-p", "0"], "top_p"),
+    (["generate", "hi", "--top-p", "1.5"], "top_p"),
+    (["generate", "hi", "--top-k", "-3"], "top_k"),
+    (["generate", "hi", "--draft", "layers:x"], "layers:N"),
+    (["generate", "hi", "--model", "./no/such/dir"], "unknown model"),
+    (["generate", "hi", "--model", "missing.gguf"], "does not exist"),
+])
+def test_bad_input_exits_2_with_a_clear_message(args, word):
+    result = _cli(*args)
+    assert result.returncode == 2, result.stderr
+    assert word in result.stderr and "Traceback" not in result.stderr
+
+
+def test_not_a_gguf(tmp_path):
+    fake = tmp_path / "x.gguf"
+    fake.write_text("hello")
+    result = _cli("generate", "hi", "--model", str(fake))
+    assert result.returncode == 2 and "not a GGUF file" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_generate_json_and_summary():
+    result = _cli("generate", "Repeat exactly: red green blue, red green blue, red", "--max-tokens", "12", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert len(data["token_ids"]) == data["metrics"]["num_generated_tokens"] <= 12
+    assert data["text"] and 0 <= data["metrics"]["acceptance_rate"] <= 1
+    result = _cli("generate", "Say hello.", "--chat", "--max-tokens", "8", "--draft", "none")
+    assert result.returncode == 0 and result.stdout.strip()
+    assert "[quickdraft]" in result.stderr and "tok/s" in result.stderr
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_context():
+    result = _cli("generate", "word " * 9000, "--max-tokens", "4")
+    assert result.returncode == 2 and "context" in result.stderr and "Traceback" not in result.stderr

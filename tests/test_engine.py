@@ -1,0 +1,202 @@
+"""The engine on tiny random models: greedy equality with plain decoding, the law of sampled tokens,
+stopping rules, seeds, metrics and bad input."""
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from scipy import stats
+
+from conftest import tiny_gemma3, tiny_llama
+from quickdraft import LLM, SamplingParams
+from quickdraft.errors import QuickdraftError
+from quickdraft.sampling import PenaltyHistory, process
+
+PROMPT = [5, 9, 3, 7, 5, 9, 3, 1, 2, 5, 9]
+
+
+def _methods(draft_model):
+    return {
+        "none": {"method": "none"},
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+        "layer_skip": {"method": "layer_skip", "num_layers": 2, "num_speculative_tokens": 3},
+        "draft_model": {"method": "draft_model", "model": draft_model, "num_speculative_tokens": 5},
+    }
+
+
+def _reference_greedy(model, prompt, n):
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("method", ["none", "ngram", "layer_skip", "draft_model"])
+def test_greedy_equals_plain_greedy(build, method):
+    target = build(seed=0)
+    expected = _reference_greedy(target, PROMPT, 40)
+    llm = LLM(target, dtype="float32", device="cpu", speculative_config=_methods(build(seed=1))[method])
+    out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=40))[0]
+    assert out.outputs[0].token_ids == expected
+    m = out.metrics
+    assert m.num_generated_tokens == 40 and out.outputs[0].finish_reason == "length"
+    if method == "none":
+        assert m.target_forwards == 40 and m.proposed_tokens == 0
+    else:
+        assert m.proposed_tokens > 0 and 0 <= m.acceptance_rate <= 1
+        assert m.target_forwards == 40 - m.accepted_tokens + (m.num_generated_tokens < 40)
+        assert sum(m.accepted_per_position) == m.accepted_tokens
+
+
+def _exact_three_token_law(model, prompt, params):
+    """P(y1, y2, y3) under plain sampling, by enumeration over the (tiny) vocabulary."""
+    vocab = model.config.vocab_size
+    law = {}
+    with torch.inference_mode():
+        def probs(prefix):
+            logits = model(input_ids=torch.tensor([prompt + list(prefix)])).logits[0, -1:].double()
+            hist = PenaltyHistory(prompt, vocab, torch.device("cpu"))
+            hist.append(list(prefix))
+            seen, counts = hist.rows(torch.empty(0, dtype=torch.long), 1)
+            return process(logits, params, seen, counts)[0]
+        p1 = probs(())
+        p2 = {(a,): probs((a,)) for a in range(vocab)}
+        p3 = {(a, b): probs((a, b)) for a in range(vocab) for b in range(vocab)}
+    for a, b, c in itertools.product(range(vocab), repeat=3):
+        law[(a, b, c)] = (p1[a] * p2[(a,)][b] * p3[(a, b)][c]).item()
+    return law
+
+
+def _chi_square_pvalue(samples: Counter, law: dict, n: int) -> float:
+    """Goodness of fit, cells with expected count < 5 pooled into one (the usual validity rule)."""
+    observed, expected, pooled_obs, pooled_exp = [], [], 0, 0.0
+    for cell, prob in law.items():
+        if prob * n >= 5:
+            observed.append(samples.get(cell, 0))
+            expected.append(prob * n)
+        else:
+            pooled_obs += samples.get(cell, 0)
+            pooled_exp += prob * n
+    if pooled_exp > 0:
+        observed.append(pooled_obs)
+        expected.append(pooled_exp)
+    scale = sum(observed) / sum(expected)
+    return stats.chisquare(observed, [e * scale for e in expected]).pvalue
+
+
+@pytest.mark.parametrize("params, method", [
+    (dict(temperature=1.0), "draft_model"),
+    (dict(temperature=0.8, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5), "draft_model"),
+    (dict(temperature=1.2, top_k=5, frequency_penalty=0.6), "ngram"),
+], ids=["t1-draft", "topp-penalties-draft", "topk-freq-ngram"])
+def test_sampled_first_three_tokens_follow_the_target_law(params, method):
+    """Chi-square goodness of fit of 3000 speculative and 3000 plain samples against the exact law.
+    Seeds are fixed; the test fails at p < 1e-4 (false alarm rate 1e-4 per sample set)."""
+    n = 3000
+    target, draft = tiny_llama(seed=0, vocab_size=8, layers=2), tiny_llama(seed=5, vocab_size=8, layers=2)
+    prompt = [1, 2, 3, 1, 2]
+    sp = SamplingParams(n=n, max_tokens=3, seed=1234, **params)
+    law = _exact_three_token_law(target, prompt, sp)
+    config = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        config["model"] = draft
+    for spec in (config, None):
+        llm = LLM(target, dtype="float32", device="cpu", speculative_config=spec)
+        out = llm.generate({"prompt_token_ids": prompt}, sp)[0]
+        samples = Counter(tuple(c.token_ids) for c in out.outputs)
+        assert sum(samples.values()) == n and all(len(k) == 3 for k in samples)
+        pvalue = _chi_square_pvalue(samples, law, n)
+        assert pvalue > 1e-4, (spec, pvalue)
+        if spec is not None:
+            assert out.metrics.proposed_tokens > 0
+
+
+def test_max_tokens_is_exact_when_a_step_accepts_more():
+    target = tiny_llama(seed=0)
+    llm = LLM(target, speculative_config={"method": "layer_skip", "num_layers": 3, "num_speculative_tokens": 6})
+    for max_tokens in (1, 2, 7, 13):
+        out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=max_tokens))[0]
+        assert len(out.outputs[0].token_ids) == max_tokens
+
+
+def test_eos_and_stop_token_ids_end_generation():
+    target = tiny_llama(seed=0)
+    free = _reference_greedy(target, PROMPT, 30)
+    eos = free[9]
+    target.config.eos_token_id = eos
+    llm = LLM(target, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
+    assert out.token_ids == free[: free.index(eos) + 1] and out.finish_reason == "stop"
+    ignore = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=30,
+                                                                        ignore_eos=True))[0].outputs[0]
+    assert ignore.token_ids == free
+    stop = free[4]
+    target.config.eos_token_id = None
+    llm = LLM(target, speculative_config={"method": "ngram"})
+    out = llm.generate({"prompt_token_ids": PROMPT},
+                       SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop]))[0].outputs[0]
+    assert out.token_ids == free[: free.index(stop) + 1] and out.finish_reason == "stop"
+
+
+def test_same_seed_same_tokens_and_context_limit():
+    target, draft = tiny_llama(seed=0, max_len=40), tiny_llama(seed=3, max_len=40)
+    llm = LLM(target, speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 4})
+    sp = SamplingParams(temperature=1.0, max_tokens=100, seed=42)
+    first = llm.generate({"prompt_token_ids": PROMPT}, sp)[0].outputs[0]
+    second = llm.generate({"prompt_token_ids": PROMPT}, sp)[0].outputs[0]
+    assert first.token_ids == second.token_ids
+    # The context holds 40 positions: generation stops there with reason "length".
+    assert len(PROMPT) + len(first.token_ids) == 40 and first.finish_reason == "length"
+    other = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=1.0, max_tokens=20, seed=43))
+    assert other[0].outputs[0].token_ids != first.token_ids[:20]
+
+
+def test_layer_skip_shares_the_target_weights():
+    target = tiny_llama(seed=0)
+    llm = LLM(target, speculative_config={"method": "layer_skip", "num_layers": 2})
+    view = llm.proposer.runner.model
+    assert len(view.model.layers) == 2 and len(target.model.layers) == 4
+    target_ptrs = {p.data_ptr() for p in target.parameters()}
+    assert {p.data_ptr() for p in view.parameters()} <= target_ptrs
+
+
+def test_padded_draft_vocabulary_is_reconciled():
+    target = tiny_llama(seed=0, vocab_size=32)
+    draft = tiny_llama(seed=1, vocab_size=40)  # as if padded to a multiple of 8 more
+    expected = _reference_greedy(target, PROMPT, 20)
+    llm = LLM(target, speculative_config={"method": "draft_model", "model": draft})
+    out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=20))[0]
+    assert out.outputs[0].token_ids == expected
+    sampled = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=1, max_tokens=20, seed=0))[0]
+    assert all(t < 32 for t in sampled.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("config, word", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "medusa"}, "unknown speculative method"),
+    ({"method": "layer_skip"}, "num_layers"),
+    ({"method": "layer_skip", "num_layers": 9}, "num_layers"),
+    ({"method": "draft_model"}, "draft model"),
+    ({"method": "ngram", "bogus": 1}, "unknown speculative_config keys"),
+    ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup"),
+])
+def test_bad_speculative_config(config, word):
+    with pytest.raises(QuickdraftError, match=word):
+        LLM(tiny_llama(), speculative_config=config)
+
+
+def test_bad_prompts():
+    llm = LLM(tiny_llama(max_len=16), speculative_config={"method": "ngram"})
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(QuickdraftError, match="empty"):
+        llm.generate({"prompt_token_ids": []}, sp)
+    with pytest.raises(QuickdraftError, match="context"):
+        llm.generate({"prompt_token_ids": list(range(16))}, sp)
+    with pytest.raises(QuickdraftError, match=r"\[0, 32\)"):
+        llm.generate({"prompt_token_ids": [1, 99]}, sp)
+    with pytest.raises(QuickdraftError, match="no tokenizer"):
+        llm.generate("hello", sp)
+    with pytest.raises(QuickdraftError, match="2 SamplingParams for 1 prompts"):
+        llm.generate([{"prompt_token_ids": [1]}], [sp, sp])

@@ -1,0 +1,90 @@
+"""End to end on the packaged GGUF models (SmolLM2-135M-Instruct, Gemma 3 270M)."""
+
+import pytest
+
+from quickdraft import LLM, SamplingParams
+from quickdraft.errors import QuickdraftError, TokenizerMismatchError
+from quickdraft.models import loader
+
+pytestmark = pytest.mark.slow
+
+CHATS = [
+    "Repeat this sentence exactly twice: The quick brown fox jumps over the lazy dog.",
+    "Write a Python function that returns the sum of a list of numbers.",
+    "What is the capital of France? Answer in one sentence.",
+    "Summarize: Speculative decoding lets a small model draft tokens that a large model verifies in one pass.",
+]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(smollm2):
+    sp = SamplingParams(temperature=0, max_tokens=48)
+    return [smollm2.chat([{"role": "user", "content": c}], sp)[0].outputs[0] for c in CHATS]
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "ngram", "num_speculative_tokens": 5},
+    {"method": "layer_skip", "num_layers": 24, "num_speculative_tokens": 4},
+    {"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 5},
+], ids=["ngram", "layers24", "draft_model"])
+def test_greedy_speculative_equals_plain_on_smollm2(smollm2, plain_outputs, config):
+    if config["method"] == "layer_skip":
+        llm = LLM(smollm2.target.model, tokenizer=smollm2.tokenizer, speculative_config=config,
+                  dtype="float32", device="cpu")
+    else:
+        llm = LLM("smollm2-135m", speculative_config=config, dtype="float32", device="cpu")
+    sp = SamplingParams(temperature=0, max_tokens=48)
+    for chat, expected in zip(CHATS, plain_outputs):
+        out = llm.chat([{"role": "user", "content": chat}], sp)[0]
+        assert out.outputs[0].token_ids == expected.token_ids, chat
+        assert out.outputs[0].text == expected.text
+        assert out.metrics.proposed_tokens > 0
+
+
+def test_stream_stop_strings_and_seeds(smollm2):
+    prompt = "List the numbers from one to ten, in words, separated by commas:"
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    full = smollm2.generate(prompt, sp)[0].outputs[0]
+    stream = smollm2.stream(prompt, sp)
+    assert "".join(stream) == full.text and stream.output.outputs[0].token_ids == full.token_ids
+    stop = full.text.strip().split()[2]
+    stopped = smollm2.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=[stop]))[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stop not in stopped.text
+    assert full.text.startswith(stopped.text) and len(stopped.token_ids) < len(full.token_ids)
+    sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=7)
+    assert smollm2.generate(prompt, sp)[0].outputs[0].text == smollm2.generate(prompt, sp)[0].outputs[0].text
+
+
+def test_gemma3_has_no_chat_template_and_another_tokenizer(gemma3, smollm2):
+    with pytest.raises(QuickdraftError, match="no chat template"):
+        gemma3.chat([{"role": "user", "content": "hi"}])
+    out = gemma3.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=5))[0]
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].text
+    with pytest.raises(TokenizerMismatchError, match="tokenizer"):
+        LLM(smollm2.target.model, tokenizer=smollm2.tokenizer,
+            speculative_config={"method": "draft_model", "model": gemma3.target.model},
+            dtype="float32", device="cpu")
+    # The same check through the public path, with the draft given by alias.
+    with pytest.raises(TokenizerMismatchError):
+        LLM("smollm2-135m", speculative_model="gemma3-270m", dtype="float32", device="cpu")
+
+
+def test_gguf_loading_without_the_conversion_cache(monkeypatch, tmp_path):
+    """The real GGUF path through transformers (gguf_file=), bypassing the cache of converted models."""
+    monkeypatch.setenv("QUICKDRAFT_NO_CONVERSION_CACHE", "1")
+    source = loader.resolve("smollm2-135m")
+    assert source.gguf_file and source.gguf_path.is_file()
+    llm = LLM(str(source.gguf_path), dtype="float32", device="cpu")
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3))[0]
+    assert len(out.outputs[0].token_ids) == 3
+
+
+def test_not_a_gguf_and_unknown_models(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"not a gguf at all")
+    with pytest.raises(QuickdraftError, match="not a GGUF file"):
+        LLM(str(fake))
+    with pytest.raises(QuickdraftError, match="unknown model"):
+        LLM("no-such-model")
+    with pytest.raises(QuickdraftError, match="does not exist"):
+        LLM(str(tmp_path / "missing.gguf"))

@@ -34,9 +34,12 @@ def write_dataset(path, lines):
     return path
 
 
+def text(*ids) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
 @pytest.fixture
 def tiny_dataset(tmp_path):
-    text = lambda *ids: " ".join(f"w{i}" for i in ids)  # noqa: E731
     return write_dataset(tmp_path / "bench.jsonl", [
         {"question_id": 1, "category": "writing", "turns": [text(1, 2, 3, 4, 1, 2, 3), text(5, 6, 7)]},
         {"question_id": 2, "category": "writing", "turns": [text(8, 9, 10, 8, 9, 10, 8)]},
@@ -179,3 +182,65 @@ def test_cli_reports_bad_input(tmp_path, capsys):
 
     assert main(["bench", "--dataset", str(tmp_path / "missing.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_greedy_divergence_is_explained():
+    from quickdraft.bench import greedy
+
+    model = tiny_llama(vocab_size=len(WORDS), layers=2)
+    prompt = [5, 6, 7, 5, 6]
+    reference = [(prompt, [7, 8, 9]), ([1, 2], [3])]
+    assert greedy.check(model, reference, reference) is None
+    found = greedy.check(model, [(prompt, [7, 10, 9]), ([1, 2], [3])], reference, note="n")
+    assert found["turn"] == 0 and found["index"] == 1 and found["note"] == "n"
+    assert found["method_token"] == 10 and found["reference_token"] == 8
+    assert found["top2_gap"] >= 0 and len(found["top2_tokens"]) == 2
+    assert isinstance(found["near_tie"], bool)
+    # A later turn is compared only when the earlier ones agreed; a shorter output diverges where it ends.
+    found = greedy.check(model, [(prompt, [7, 8, 9]), ([1, 2], [])], reference)
+    assert (found["turn"], found["index"], found["method_token"]) == (1, 0, None)
+
+
+def test_analytic_model():
+    from quickdraft.bench import costs
+
+    # Leviathan et al.: E = (1 - alpha^(K+1)) / (1 - alpha); alpha = 1 gives K + 1; no draft at all gives 1.
+    assert costs.expected_tokens_per_step(0.5, 3) == pytest.approx((1 - 0.5 ** 4) / 0.5)
+    assert costs.expected_tokens_per_step(1.0, 4) == 5
+    assert costs.expected_tokens_per_step(0.9, 4, f=0.0) == 1
+    forward = {1: 0.010, 2: 0.011, 3: 0.012, 4: 0.013, 5: 0.014}
+    stats = {"alpha": 0.5, "draft_fraction": 1.0, "mean_draft_length": 4.0, "draft_s_per_step": 4 * 0.001}
+    predicted = costs.predict(stats, forward)
+    expected = (1 - 0.5 ** 5) / 0.5 * 0.010 / (0.014 + 4 * 0.001)
+    assert predicted["predicted_speedup"] == pytest.approx(expected)
+    assert costs.predict({**stats, "alpha": None}, forward)["predicted_speedup"] is None
+
+
+def test_hf_assisted_runner_is_exact():
+    from quickdraft import LLM, SamplingParams
+    from quickdraft.bench.methods import MethodSpec, Target, TransformersRunner
+
+    model = tiny_llama(vocab_size=len(WORDS), layers=2)
+    target = Target(model, None, "tiny", None, set())
+    plain = TransformersRunner(MethodSpec("hf", "hf"), None, "hf", target)
+    assisted = TransformersRunner(MethodSpec("hf-assist:x", "hf-assist", "x"), 3, "hf-assist:x k=3", target,
+                                  assistant=tiny_llama(seed=1, vocab_size=len(WORDS), layers=1))
+    reference = LLM(model, speculative_config={"method": "none"})
+    expected = reference.generate({"prompt_token_ids": [5, 6, 7, 5, 6]},
+                                  SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].token_ids
+    for runner in (plain, assisted):
+        out = runner.generate([5, 6, 7, 5, 6], 12, 0.0, seed=0)
+        assert out.token_ids == expected and out.seconds > 0 and out.metrics is None
+
+
+def test_bench_sampling(tiny_dataset):
+    """temperature > 0: no greedy check (null), every method still runs and counts its tokens."""
+    model = tiny_llama(vocab_size=len(WORDS), layers=2)
+    cfg = BenchConfig(dataset=str(tiny_dataset), methods="ngram,hf", k="2", max_new_tokens=4, temperature=0.8,
+                      limit_per_category=1, cost_repeats=1)
+    report = run_bench(cfg, model=model, tokenizer=tiny_tokenizer(), progress=False)
+    assert report["config"]["n_prompts"] == 3 and report["config"]["k_sweep"] is False
+    for m in report["methods"].values():
+        assert m["overall"]["greedy_mismatches"] is None and m["divergences"] == []
+        assert m["overall"]["generated_tokens"] == 4 * 4  # 3 records, one of them with two turns
+    assert set(report["k_sweep"]) == {"ngram"} and report["k_sweep"]["ngram"]["k"] == [2]

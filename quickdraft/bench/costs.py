@@ -1,0 +1,97 @@
+"""What a step costs, measured in the run, and the speedup an analytic model predicts from it.
+
+The model (Leviathan et al. 2023, extended to drafts that sometimes propose nothing):
+  alpha  per-token acceptance: the chance that a draft token is accepted given that the ones before it were
+  f      the fraction of steps that proposed at least one token (1 for model drafts; n-gram lookup may miss)
+  k      the mean draft length of those steps (K for model drafts)
+  E      expected tokens per step = (1 - f) + f * (1 - alpha^(k+1)) / (1 - alpha)
+  cost   per step = (1 - f) * t_target(1) + f * t_target(k+1) + draft time per step
+         (a model draft: K * t_draft_step; n-gram: its measured propose time)
+  predicted speedup = E * t_target(1) / cost
+For f = 1 and k = K this is Leviathan et al.'s E = (1 - alpha^(K+1)) / (1 - alpha) and cost
+t_target(K+1) + K * t_draft_step. The measured speedup also pays for verification and bookkeeping, which the
+model leaves out, so measured / predicted below 1 is that overhead.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from quickdraft.cache import SequenceCache
+from quickdraft.engine import RequestMetrics
+
+MODEL_DESCRIPTION = (__doc__ or "").split("\n\n", 1)[1].strip()
+
+
+def measure_target_forward(runner, context_ids: Sequence[int], sizes: Sequence[int],
+                           repeats: int = 7) -> dict[int, float]:
+    """Median seconds of one target forward over n new tokens (for each n in sizes) after a cache of
+    context_ids, n logits kept, as in a verification step. Sizes are interleaved within each repeat so that
+    drift affects them alike; one extra round warms up."""
+    context = len(context_ids)
+    cache = SequenceCache()
+    runner.forward(cache, torch.tensor(list(context_ids), dtype=torch.long), num_logits=1)
+    extra = torch.tensor([context_ids[i % context] for i in range(max(sizes))], dtype=torch.long)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for round_ in range(repeats + 1):
+        for n in sizes:
+            start = time.perf_counter()
+            logits = runner.forward(cache, extra[:n], num_logits=n)
+            if logits.is_cuda:
+                torch.cuda.synchronize(logits.device)
+            elapsed = time.perf_counter() - start
+            cache.rollback(context)
+            if round_:
+                times[n].append(elapsed)
+    return {n: statistics.median(ts) for n, ts in times.items()}
+
+
+def expected_tokens_per_step(alpha: float, k: float, f: float = 1.0) -> float:
+    drafted = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return (1 - f) + f * drafted
+
+
+def draft_statistics(metrics: Sequence[RequestMetrics]) -> dict[str, float | None]:
+    """alpha, f and k (see the module doc) and the draft time per step, pooled over requests.
+
+    alpha is estimated from the per-position counts: position i can only be accepted when position i-1
+    was, so the steps that reached position i are min(accepted[i-1], proposed[i])."""
+    steps = sum(m.target_forwards for m in metrics)
+    width = max((len(m.proposed_per_position) for m in metrics), default=0)
+    proposed = np.zeros(width)
+    accepted = np.zeros(width)
+    for m in metrics:
+        proposed[: len(m.proposed_per_position)] += m.proposed_per_position
+        accepted[: len(m.accepted_per_position)] += m.accepted_per_position
+    drafted_steps = float(proposed[0]) if width else 0.0
+    reached = np.minimum(np.concatenate([[drafted_steps], accepted[:-1]]), proposed) if width else proposed
+    draft_time = sum(m.draft_time_s for m in metrics)
+    draft_forwards = sum(m.draft_forwards for m in metrics)
+    return {
+        "alpha": float(accepted.sum() / reached.sum()) if width and reached.sum() else None,
+        "draft_fraction": drafted_steps / steps if steps else None,
+        "mean_draft_length": float(proposed.sum()) / drafted_steps if drafted_steps else None,
+        "draft_s_per_step": draft_time / steps if steps else None,
+        "draft_s_per_forward": draft_time / draft_forwards if draft_forwards else None,
+        "draft_forwards_per_step": draft_forwards / steps if steps else None,
+    }
+
+
+def predict(stats: dict[str, float | None], forward_s: dict[int, float]) -> dict[str, float | None]:
+    """The analytic prediction for one method from its draft statistics and the measured forward costs."""
+    alpha, f, k, draft = (stats[key] for key in ("alpha", "draft_fraction", "mean_draft_length", "draft_s_per_step"))
+    if alpha is None or f is None or k is None or draft is None:
+        return {"predicted_tokens_per_step": None, "predicted_step_s": None, "predicted_speedup": None}
+    sizes = sorted(forward_s)
+
+    def t(n: float) -> float:  # forward seconds for n tokens, interpolated between the measured sizes
+        return float(np.interp(n, sizes, [forward_s[s] for s in sizes]))
+
+    tokens = expected_tokens_per_step(alpha, k, f)
+    step = (1 - f) * t(1) + f * t(k + 1) + draft
+    return {"predicted_tokens_per_step": tokens, "predicted_step_s": step, "predicted_speedup": tokens * t(1) / step}

@@ -1,0 +1,285 @@
+"""The methods a benchmark compares: quickdraft's draft methods and the baselines, one runner each behind one
+interface, `generate(prompt_ids, max_new_tokens, temperature, seed) -> Generation`.
+
+Every runner shares the one loaded target model (the same module object, dtype and threads); llama.cpp runs
+the target's GGUF file itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from quickdraft.bench import METHOD_HELP
+from quickdraft.engine import Engine, RequestMetrics
+from quickdraft.errors import QuickdraftError
+from quickdraft.models import loader
+from quickdraft.params import SamplingParams
+
+REFERENCES = ("none", "hf", "llamacpp")  # the baselines speedups are measured against
+LLAMA_CPP_INSTALL = "pip install 'quickdraft[bench]' (it compiles llama.cpp: several minutes)"
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method as named on the command line.
+
+    kind: quickdraft | hf | hf-lookup | hf-assist | llamacpp | llamacpp-lookup
+    arg: quickdraft: the draft (none, ngram, layers:N or a model); hf-assist: the assistant model."""
+
+    name: str
+    kind: str
+    arg: str | None = None
+
+    @property
+    def speculative(self) -> bool:
+        """Whether it drafts tokens, so that K applies."""
+        return self.name not in REFERENCES
+
+    @property
+    def is_quickdraft(self) -> bool:
+        return self.kind == "quickdraft"
+
+
+def llama_cpp_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def _check_model(model: str, method: str) -> None:
+    try:
+        loader.resolve(model)
+    except QuickdraftError as exc:
+        raise QuickdraftError(f"unknown method {method!r}: not one of {METHOD_HELP}, and not a model ({exc})") \
+            from None
+
+
+def parse_method(name: str) -> MethodSpec:
+    if name in ("none", "ngram"):
+        return MethodSpec(name, "quickdraft", name)
+    if name.startswith("layers:"):
+        value = name.split(":", 1)[1]
+        if not value.isdigit() or int(value) < 1:
+            raise QuickdraftError(f"method {name!r}: expected layers:N with N a positive integer, e.g. layers:12")
+        return MethodSpec(name, "quickdraft", name)
+    if name in ("hf", "hf-lookup"):
+        return MethodSpec(name, name)
+    if name.startswith("hf-assist:"):
+        model = name.split(":", 1)[1]
+        if not model:
+            raise QuickdraftError("method 'hf-assist:' needs an assistant model, e.g. hf-assist:smollm2-135m")
+        _check_model(model, name)
+        return MethodSpec(name, "hf-assist", model)
+    if name in ("llamacpp", "llamacpp-lookup"):
+        if not llama_cpp_available():
+            raise QuickdraftError(f"method {name!r} needs llama-cpp-python, which is not installed; install the "
+                                  f"optional extra: {LLAMA_CPP_INSTALL}")
+        return MethodSpec(name, name)
+    _check_model(name, name)
+    return MethodSpec(name, "quickdraft", name)
+
+
+def parse_methods(text: str) -> list[MethodSpec]:
+    """A comma list of methods; `none` (the reference) is added first when missing."""
+    names = [n.strip() for n in str(text).split(",")]
+    if not names or any(not n for n in names):
+        raise QuickdraftError(f"--methods {text!r}: expected a comma list of methods ({METHOD_HELP})")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise QuickdraftError(f"--methods lists {', '.join(duplicates)} more than once")
+    specs = [parse_method(n) for n in names]
+    if "none" not in names:
+        specs.insert(0, parse_method("none"))
+    return specs
+
+
+def parse_k_list(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (sorted, each >= 1)."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise QuickdraftError(f"--k {text!r}: expected a comma list of positive integers, e.g. 5 or 1,2,4,6,8")
+    values = sorted({int(p) for p in parts})
+    if len(values) != len(parts):
+        raise QuickdraftError(f"--k {text!r} lists a value more than once")
+    return values
+
+
+@dataclass
+class Generation:
+    """One generation: the new tokens (EOS included when it ended there), its wall time, and quickdraft's
+    metrics (None for the baselines)."""
+
+    token_ids: list[int]
+    seconds: float
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class Target:
+    """The one loaded target model all methods share."""
+
+    model: nn.Module
+    tokenizer: Any
+    name: str
+    source: loader.ModelSource | None  # None for a model object passed in
+    eos_token_ids: set[int]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+class Runner(ABC):
+    """One method at one K."""
+
+    def __init__(self, spec: MethodSpec, k: int | None, label: str):
+        self.spec = spec
+        self.k = k
+        self.label = label
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Generation:
+        """Generate up to max_new_tokens after prompt_ids, stopping at EOS."""
+
+
+class QuickdraftRunner(Runner):
+    """quickdraft's engine, driven directly: no per-step detokenization, like the baselines."""
+
+    def __init__(self, spec: MethodSpec, k: int | None, label: str, llm):
+        super().__init__(spec, k, label)
+        self.llm = llm
+        base = llm.engine
+        self.engine = Engine(base.target, base.proposer, k or 0, base.eos_token_ids, base.max_len)
+
+    def generate(self, prompt_ids, max_new_tokens, temperature, seed) -> Generation:
+        params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed)
+        generator = torch.Generator(device=self.engine.device).manual_seed(seed)
+        start = time.perf_counter()
+        seq = self.engine.new_sequence(prompt_ids, params, generator)
+        for _ in self.engine.run(seq):
+            pass
+        return Generation(list(seq.output_ids), time.perf_counter() - start, seq.metrics)
+
+
+class TransformersRunner(Runner):
+    """transformers' `generate` on the shared model: plain, with prompt lookup, or assisted by a model."""
+
+    def __init__(self, spec: MethodSpec, k: int | None, label: str, target: Target, assistant: nn.Module | None = None):
+        super().__init__(spec, k, label)
+        self.target = target
+        self.extra: dict[str, Any] = {}
+        if spec.kind == "hf-lookup":
+            self.extra["prompt_lookup_num_tokens"] = k
+        elif spec.kind == "hf-assist":
+            self.assistant = assistant
+            self.extra["assistant_model"] = assistant
+
+    def _config(self, max_new_tokens: int, temperature: float):
+        from transformers import GenerationConfig
+
+        eos = sorted(self.target.eos_token_ids)
+        # Every field that changes the output is set, so that the model's own generation_config cannot add
+        # penalties or top-k behind the comparison's back.
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
+            else dict(do_sample=False)
+        config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, num_beams=1,
+                                  repetition_penalty=1.0, no_repeat_ngram_size=0, typical_p=1.0,
+                                  eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **sampling)
+        if self.spec.kind == "hf-lookup":
+            config.prompt_lookup_num_tokens = self.k
+        return config
+
+    def generate(self, prompt_ids, max_new_tokens, temperature, seed) -> Generation:
+        if self.spec.kind == "hf-assist":
+            # transformers reads the draft length from the assistant's own generation config: a constant K.
+            gc = self.assistant.generation_config
+            gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = self.k, "constant"
+            gc.assistant_confidence_threshold = 0.0
+        config = self._config(max_new_tokens, temperature)
+        kwargs = {"assistant_model": self.assistant} if self.spec.kind == "hf-assist" else {}
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.target.device)
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.target.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                             generation_config=config, **kwargs)
+        seconds = time.perf_counter() - start
+        return Generation(out[0, len(prompt_ids):].tolist(), seconds)
+
+
+class LlamaCppRunner(Runner):
+    """llama-cpp-python on the target's GGUF file (its quantized weights), plain or with prompt lookup."""
+
+    N_CTX = 4096
+
+    def __init__(self, spec: MethodSpec, k: int | None, label: str, target: Target):
+        super().__init__(spec, k, label)
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        gguf = target.source.gguf_path if target.source is not None else None
+        if gguf is None:
+            raise QuickdraftError(f"method {spec.name!r} runs llama.cpp on the target's GGUF file; model "
+                                  f"'{target.name}' is not a GGUF (use an alias or a .gguf path)")
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=k) if spec.kind == "llamacpp-lookup" else None
+        threads = torch.get_num_threads()
+        self.llama = Llama(model_path=str(gguf), n_ctx=self.N_CTX, n_threads=threads, n_threads_batch=threads,
+                           draft_model=draft, verbose=False)
+        self.eos = set(target.eos_token_ids) | {self.llama.token_eos()}
+
+    def generate(self, prompt_ids, max_new_tokens, temperature, seed) -> Generation:
+        if len(prompt_ids) + max_new_tokens > self.N_CTX:
+            raise QuickdraftError(f"{self.label}: prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new "
+                                  f"tokens exceed llama.cpp's context of {self.N_CTX}")
+        if temperature > 0:
+            sampling = dict(temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0)
+            self.llama.set_seed(seed)
+        else:
+            sampling = dict(temp=0.0)
+        tokens = []
+        start = time.perf_counter()
+        self.llama.reset()  # no prefix reuse from an earlier prompt: every method pays its full prefill
+        for token in self.llama.generate(list(prompt_ids), repeat_penalty=1.0, **sampling):
+            tokens.append(int(token))
+            if token in self.eos or len(tokens) >= max_new_tokens:
+                break
+        return Generation(tokens, time.perf_counter() - start)
+
+
+def _label(spec: MethodSpec, k: int, sweep: bool) -> str:
+    return f"{spec.name} k={k}" if spec.speculative and sweep else spec.name
+
+
+def build_runners(specs: Sequence[MethodSpec], ks: Sequence[int], target: Target, reference_llm) -> list[Runner]:
+    """One runner per method and K (baselines once); quickdraft methods share one LLM per method."""
+    from quickdraft import LLM
+    from quickdraft.api import _check_same_tokenizer
+    from quickdraft.cli import draft_config
+
+    sweep = len(ks) > 1
+    runners: list[Runner] = []
+    for spec in specs:
+        values = list(ks) if spec.speculative else [None]
+        if spec.is_quickdraft:
+            llm = reference_llm if spec.name == "none" else LLM(
+                target.model, tokenizer=target.tokenizer, speculative_config=draft_config(spec.arg, ks[0]),
+                dtype=target.dtype, device=target.device)
+            runners += [QuickdraftRunner(spec, k, _label(spec, k, sweep), llm) for k in values]
+        elif spec.kind.startswith("hf"):
+            assistant = None
+            if spec.kind == "hf-assist":
+                assistant, tokenizer = loader.load(loader.resolve(spec.arg), target.dtype, target.device)
+                _check_same_tokenizer(target.tokenizer, tokenizer, target.name, spec.arg)
+            runners += [TransformersRunner(spec, k, _label(spec, k, sweep), target, assistant) for k in values]
+        else:
+            runners += [LlamaCppRunner(spec, k, _label(spec, k, sweep), target) for k in values]
+    return runners

@@ -1,0 +1,194 @@
+"""The orchestration of one benchmark run (`quickdraft bench`; the command line is in bench/cli.py).
+
+One target model is loaded and shared by every method. Each method generates one short warm-up, then the
+methods take turns prompt by prompt (A B C A B C ...) so that slow drift of the machine affects them alike.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from quickdraft.bench import DEFAULT_METHODS, dataset, greedy, methods
+from quickdraft.bench.costs import measure_target_forward
+from quickdraft.bench.report import PromptResult, Turn, build_report, render, write_json, write_plots
+from quickdraft.errors import QuickdraftError
+from quickdraft.models import loader
+
+TIMING_NOTE = ("seconds per generation around the call, prefill included; quickdraft's engine is driven directly "
+               "(no per-step detokenization), as transformers' generate and llama.cpp's generate are")
+
+
+@dataclass
+class BenchConfig:
+    dataset: str
+    model: str = loader.DEFAULT_MODEL
+    methods: str = DEFAULT_METHODS
+    k: str = "5"
+    max_new_tokens: int = 256
+    limit_per_category: int | None = None
+    categories: str | None = None
+    temperature: float = 0.0
+    out: str | None = None
+    plots: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    threads: int | None = None
+    seed: int = 0
+    warmup_tokens: int = 8
+    cost_context: int = 200  # cache length at which the target forward is timed
+    cost_repeats: int = 7
+
+
+def _split(text: str | None) -> list[str] | None:
+    return [part.strip() for part in text.split(",") if part.strip()] if text else None
+
+
+def _validate(cfg: BenchConfig):
+    records = dataset.select(dataset.load_records(cfg.dataset), _split(cfg.categories), cfg.limit_per_category)
+    specs = methods.parse_methods(cfg.methods)
+    ks = methods.parse_k_list(cfg.k)
+    if not (isinstance(cfg.max_new_tokens, int) and cfg.max_new_tokens >= 1):
+        raise QuickdraftError(f"--max-new-tokens must be an integer >= 1, got {cfg.max_new_tokens!r}")
+    if cfg.temperature < 0:
+        raise QuickdraftError(f"--temperature must be >= 0 (0 means greedy), got {cfg.temperature}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise QuickdraftError(f"--threads must be >= 1, got {cfg.threads}")
+    return records, specs, ks
+
+
+def _load_target(cfg: BenchConfig, model, tokenizer):
+    """The shared target and the reference LLM (method none) built on it."""
+    from quickdraft import LLM
+
+    source = None if model is not None else loader.resolve(cfg.model)
+    llm = LLM(model if model is not None else cfg.model, tokenizer=tokenizer, speculative_config={"method": "none"},
+              dtype=cfg.dtype if model is None else next(model.parameters()).dtype,
+              device=cfg.device if model is None else next(model.parameters()).device)
+    target = methods.Target(llm.target.model, llm.tokenizer, cfg.model if model is None else llm.model_name, source,
+                            set(llm.engine.eos_token_ids))
+    return target, llm
+
+
+def _conversation(runner, record, prompts: dataset.PromptFormat, cfg: BenchConfig, seed: int) -> PromptResult:
+    """All turns of a record; each later turn follows this method's own earlier answers."""
+    result = PromptResult(record)
+    answers: list[str] = []
+    for i in range(len(record.turns)):
+        prompt_ids = prompts.prompt_ids(record.turns, answers)
+        generation = runner.generate(prompt_ids, cfg.max_new_tokens, cfg.temperature, seed + i)
+        result.turns.append(Turn(prompt_ids, generation))
+        answers.append(prompts.decode(generation.token_ids))
+    return result
+
+
+def _progress(console, enabled: bool):
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("ETA"), TimeRemainingColumn(), console=console, disable=not enabled, transient=False)
+
+
+def run_bench(cfg: BenchConfig, *, model=None, tokenizer=None, console=None, progress: bool = True) -> dict[str, Any]:
+    """Run the benchmark and return the report (also written to cfg.out / cfg.plots when set).
+
+    model / tokenizer: an already-built transformers model (and its tokenizer) to use instead of loading
+    cfg.model; llama.cpp methods then cannot run, having no GGUF file."""
+    from rich.console import Console
+
+    from quickdraft.cli import _quiet_transformers
+
+    # Piped output gets wide tables rather than rich's 80 columns.
+    console = console or Console(width=None if sys.stdout.isatty() else 180)
+    status = Console(stderr=True, quiet=console.quiet)
+    started, start = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), time.perf_counter()
+    records, specs, ks = _validate(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    _quiet_transformers()
+
+    status.print(f"loading {cfg.model if model is None else type(model).__name__} ...")
+    target, reference = _load_target(cfg, model, tokenizer)
+    prompts = dataset.PromptFormat(reference)
+    runners = methods.build_runners(specs, ks, target, reference)
+    if not prompts.chat:
+        status.print(f"[yellow]{target.name} has no chat template: the prompts are the raw turn text[/yellow]")
+
+    first_prompt = prompts.prompt_ids(records[0].turns, [])
+    for runner in runners:  # warm-up: one short generation each
+        runner.generate(first_prompt, cfg.warmup_tokens, cfg.temperature, cfg.seed)
+
+    sizes = list(range(1, max(ks) + 2))
+    context = max(1, min(cfg.cost_context, reference.target.max_len - max(sizes) - 1))
+    context_ids = [first_prompt[i % len(first_prompt)] for i in range(context)]
+    forward_s = measure_target_forward(reference.target, context_ids, sizes, cfg.cost_repeats)
+
+    results: dict[str, list[PromptResult]] = {r.label: [] for r in runners}
+    with _progress(status, progress) as bar:
+        task = bar.add_task("benchmark", total=len(records) * len(runners))
+        for index, record in enumerate(records):
+            for runner in runners:
+                bar.update(task, description=f"{record.category} #{record.question_id} {runner.label}")
+                results[runner.label].append(_conversation(runner, record, prompts, cfg, cfg.seed + 1000 * index))
+                bar.advance(task)
+
+    if cfg.temperature == 0:
+        _greedy_check(runners, results, target)
+
+    config = {
+        "dataset": str(cfg.dataset), "model": target.name, "dtype": str(target.dtype).removeprefix("torch."),
+        "device": str(target.device), "threads": torch.get_num_threads(),
+        "methods": [s.name for s in specs], "k": ks, "k_sweep": len(ks) > 1,
+        "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
+        "categories": dataset.categories_of(records), "limit_per_category": cfg.limit_per_category,
+        "n_prompts": len(records), "n_turns": sum(len(r.turns) for r in records),
+        "prompt_format": prompts.description,
+        "order": "interleaved: for each prompt every method in turn, after one warm-up generation each",
+        "timing": TIMING_NOTE, "greedy_reference": "none",
+        "versions": _versions(), "started_at": started, "options": asdict(cfg),
+    }
+    report = build_report(config, runners, results, config["categories"], forward_s, context, cfg.cost_repeats)
+    report["config"]["elapsed_s"] = time.perf_counter() - start
+    if cfg.out:
+        write_json(report, cfg.out)
+    if cfg.plots:
+        report["config"]["plots"] = write_plots(report, cfg.plots)
+        if cfg.out:
+            write_json(report, cfg.out)
+    render(report, console)
+    if cfg.out:
+        console.print(f"results: {cfg.out}")
+    if cfg.plots:
+        console.print(f"plots: {', '.join(report['config']['plots'])}")
+    return report
+
+
+def _greedy_check(runners, results, target) -> None:
+    reference = results["none"]
+    for runner in runners:
+        if runner.label == "none":
+            continue
+        note = ("llama.cpp runs the GGUF's quantized weights, not the dequantized float model: its tokens need not "
+                "match") if runner.spec.kind.startswith("llamacpp") else None
+        for mine, ref in zip(results[runner.label], reference):
+            mine.divergence = greedy.check(target.model, [(t.prompt_ids, t.generation.token_ids) for t in mine.turns],
+                                           [(t.prompt_ids, t.generation.token_ids) for t in ref.turns], note)
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    import quickdraft
+
+    out = {"quickdraft": quickdraft.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+    if methods.llama_cpp_available():
+        import llama_cpp
+
+        out["llama_cpp"] = getattr(llama_cpp, "__version__", "?")
+    return out

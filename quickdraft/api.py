@@ -120,7 +120,7 @@ class _Detokenizer:
         return delta
 
 
-def _check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
     if target_tok is None or draft_tok is None:
         if (target_tok is None) != (draft_tok is None):
             raise TokenizerMismatchError(
@@ -202,7 +202,7 @@ class LLM:
             return LayerSkipProposer(self.target, config.num_layers)
         draft_name, draft_model, draft_tokenizer = self._load(config.model, None)
         if self.tokenizer is not None or draft_tokenizer is not None:
-            _check_same_tokenizer(self.tokenizer, draft_tokenizer, self.model_name, draft_name)
+            check_same_tokenizer(self.tokenizer, draft_tokenizer, self.model_name, draft_name)
         return DraftModelProposer(HFRunner(draft_model, name=draft_name), self.target.vocab_size)
 
     @staticmethod
@@ -301,10 +301,11 @@ class LLM:
              chat_template: str | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self._chat_prompt(c, chat_template) for c in conversations]
+        prompts = [self.chat_prompt(c, chat_template) for c in conversations]
         return self.generate(prompts, sampling_params)
 
-    def _chat_prompt(self, messages, chat_template=None) -> dict[str, Any]:
+    def chat_prompt(self, messages, chat_template=None) -> dict[str, Any]:
+        """A conversation as a prompt dict (text and token ids) through the chat template."""
         text = self.apply_chat_template(messages, chat_template)
         # The template already holds the special tokens; tokenizing must not add a second BOS.
         return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]}
@@ -322,4 +323,4 @@ class LLM:
 
     def stream_chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None,
                     chat_template: str | None = None) -> TextStream:
-        return self.stream(self._chat_prompt(messages, chat_template), sampling_params)
+        return self.stream(self.chat_prompt(messages, chat_template), sampling_params)

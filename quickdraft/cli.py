@@ -83,7 +83,7 @@ def run_generate(args: argparse.Namespace) -> int:
     _quiet_transformers()
     llm = LLM(args.model or DEFAULT_MODEL, speculative_config=spec, dtype=args.dtype, device=args.device,
               trust_remote_code=args.trust_remote_code)
-    prompt = llm._chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     stream = llm.stream(prompt, params)
     for delta in stream:
         if not args.json:

@@ -117,7 +117,7 @@ class PromptFormat:
                 messages.append({"role": "user", "content": turns[i]})
                 if i < current:
                     messages.append({"role": "assistant", "content": answers[i]})
-            return self.llm._chat_prompt(messages)["prompt_token_ids"]
+            return self.llm.chat_prompt(messages)["prompt_token_ids"]
         parts = []
         for i in range(current + 1):
             parts.append(turns[i])

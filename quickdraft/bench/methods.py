@@ -262,7 +262,7 @@ def _label(spec: MethodSpec, k: int, sweep: bool) -> str:
 def build_runners(specs: Sequence[MethodSpec], ks: Sequence[int], target: Target, reference_llm) -> list[Runner]:
     """One runner per method and K (baselines once); quickdraft methods share one LLM per method."""
     from quickdraft import LLM
-    from quickdraft.api import _check_same_tokenizer
+    from quickdraft.api import check_same_tokenizer
     from quickdraft.cli import draft_config
 
     sweep = len(ks) > 1
@@ -278,7 +278,7 @@ def build_runners(specs: Sequence[MethodSpec], ks: Sequence[int], target: Target
             assistant = None
             if spec.kind == "hf-assist":
                 assistant, tokenizer = loader.load(loader.resolve(spec.arg), target.dtype, target.device)
-                _check_same_tokenizer(target.tokenizer, tokenizer, target.name, spec.arg)
+                check_same_tokenizer(target.tokenizer, tokenizer, target.name, spec.arg)
             runners += [TransformersRunner(spec, k, _label(spec, k, sweep), target, assistant) for k in values]
         else:
             runners += [LlamaCppRunner(spec, k, _label(spec, k, sweep), target) for k in values]

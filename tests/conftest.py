@@ -11,6 +11,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def _sharpen(model):
+    """Larger-than-default weights give peaked, varied distributions instead of near-uniform ones."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(8.0)
+    return model
+
+
 def tiny_llama(seed: int = 0, vocab_size: int = 32, layers: int = 4, max_len: int = 256, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -18,13 +27,7 @@ def tiny_llama(seed: int = 0, vocab_size: int = 32, layers: int = 4, max_len: in
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_len,
                          eos_token_id=None, bos_token_id=None, pad_token_id=None, **overrides)
-    model = LlamaForCausalLM(config).eval()
-    # Larger-than-default weights give peaked, varied distributions instead of near-uniform ones.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(8.0)
-    return model
+    return _sharpen(LlamaForCausalLM(config).eval())
 
 
 def tiny_gemma3(seed: int = 0, vocab_size: int = 32, layers: int = 4, sliding_window: int = 4, max_len: int = 256):
@@ -36,12 +39,7 @@ def tiny_gemma3(seed: int = 0, vocab_size: int = 32, layers: int = 4, sliding_wi
                               max_position_embeddings=max_len, sliding_window=sliding_window,
                               layer_types=["sliding_attention", "full_attention"] * (layers // 2),
                               eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    model = Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(8.0)
-    return model
+    return _sharpen(Gemma3ForCausalLM(config).eval())
 
 
 @pytest.fixture(scope="session")

@@ -203,17 +203,16 @@ def load(source: ModelSource, dtype: torch.dtype, device: torch.device, trust_re
     from transformers import AutoModelForCausalLM
 
     converted = _conversion_dir(source)
-    kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code)
-    if _is_hub_id(source) and not _hub_reachable():
-        kwargs["local_files_only"] = True  # only the local Hugging Face cache can serve it
+    # Without a reachable hub, only the local Hugging Face cache can serve a hub id.
+    offline = _is_hub_id(source) and not _hub_reachable()
+    kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code, local_files_only=offline)
     try:
         if converted is not None and (converted / "config.json").is_file():
             model = AutoModelForCausalLM.from_pretrained(converted, **kwargs)
             tokenizer = _load_tokenizer(converted, None, trust_remote_code)
         else:
             model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
-            tokenizer = _load_tokenizer(source.path, source.gguf_file, trust_remote_code,
-                                        kwargs.get("local_files_only", False))
+            tokenizer = _load_tokenizer(source.path, source.gguf_file, trust_remote_code, offline)
             if converted is not None:
                 _save_conversion(model, tokenizer, converted)
     except OSError as exc:

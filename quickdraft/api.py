@@ -176,7 +176,7 @@ class LLM:
                 config["num_speculative_tokens"] = num_speculative_tokens
         self.speculative_config = SpeculativeConfig.from_dict(config)
 
-        self.model_name, target_model, self.tokenizer = self._load(model, tokenizer)
+        self.model_name, target_model, self.tokenizer, self.source = self._load(model, tokenizer)
         self.target = HFRunner(target_model, name=self.model_name)
         self.proposer = self._build_proposer(self.speculative_config)
         eos = self._eos_token_ids(target_model)
@@ -187,11 +187,12 @@ class LLM:
 
     # --- construction -------------------------------------------------------------------------------------
     def _load(self, model: str | nn.Module, tokenizer: Any):
+        """(name, model, tokenizer, source); source is None for a model object passed in."""
         if isinstance(model, nn.Module):
-            return type(model).__name__, model.to(device=self.device, dtype=self.dtype).eval(), tokenizer
+            return type(model).__name__, model.to(device=self.device, dtype=self.dtype).eval(), tokenizer, None
         source = loader.resolve(model)
         loaded, loaded_tokenizer = loader.load(source, self.dtype, self.device, self.trust_remote_code)
-        return model, loaded, tokenizer if tokenizer is not None else loaded_tokenizer
+        return model, loaded, tokenizer if tokenizer is not None else loaded_tokenizer, source
 
     def _build_proposer(self, config: SpeculativeConfig) -> Proposer:
         if config.method == "none":
@@ -200,7 +201,7 @@ class LLM:
             return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         if config.method == "layer_skip":
             return LayerSkipProposer(self.target, config.num_layers)
-        draft_name, draft_model, draft_tokenizer = self._load(config.model, None)
+        draft_name, draft_model, draft_tokenizer, _ = self._load(config.model, None)
         if self.tokenizer is not None or draft_tokenizer is not None:
             check_same_tokenizer(self.tokenizer, draft_tokenizer, self.model_name, draft_name)
         return DraftModelProposer(HFRunner(draft_model, name=draft_name), self.target.vocab_size)

@@ -143,6 +143,10 @@ class Engine:
     def device(self) -> torch.device:
         return self.target.device
 
+    def with_k(self, num_speculative_tokens: int) -> "Engine":
+        """The same target, proposer and limits with another draft length (proposers keep no per-K state)."""
+        return Engine(self.target, self.proposer, num_speculative_tokens, self.eos_token_ids, self.max_len)
+
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams,
                      generator: torch.Generator | None = None) -> Sequence:
         if not prompt_ids:

@@ -219,9 +219,10 @@ def test_analytic_model():
 def test_hf_assisted_runner_is_exact():
     from quickdraft import LLM, SamplingParams
     from quickdraft.bench.methods import MethodSpec, Target, TransformersRunner
+    from quickdraft.models.runner import HFRunner
 
     model = tiny_llama(vocab_size=len(WORDS), layers=2)
-    target = Target(model, None, "tiny", None, set())
+    target = Target(HFRunner(model), None, "tiny", None, set())
     plain = TransformersRunner(MethodSpec("hf", "hf"), None, "hf", target)
     assisted = TransformersRunner(MethodSpec("hf-assist:x", "hf-assist", "x"), 3, "hf-assist:x k=3", target,
                                   assistant=tiny_llama(seed=1, vocab_size=len(WORDS), layers=1))

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from quickdraft.bench import METHOD_HELP
-from quickdraft.engine import Engine, RequestMetrics
+from quickdraft.engine import RequestMetrics
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import loader
+from quickdraft.models.runner import HFRunner
 from quickdraft.params import SamplingParams
 
 REFERENCES = ("none", "hf", "llamacpp")  # the baselines speedups are measured against
@@ -121,21 +122,25 @@ class Generation:
 
 @dataclass
 class Target:
-    """The one loaded target model all methods share."""
+    """The one loaded target model all methods share (through the reference LLM's runner)."""
 
-    model: nn.Module
+    runner: HFRunner
     tokenizer: Any
     name: str
     source: loader.ModelSource | None  # None for a model object passed in
     eos_token_ids: set[int]
 
     @property
+    def model(self) -> nn.Module:
+        return self.runner.model
+
+    @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return self.runner.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        return self.runner.dtype
 
 
 class Runner(ABC):
@@ -157,8 +162,7 @@ class QuickdraftRunner(Runner):
     def __init__(self, spec: MethodSpec, k: int | None, label: str, llm):
         super().__init__(spec, k, label)
         self.llm = llm
-        base = llm.engine
-        self.engine = Engine(base.target, base.proposer, k or 0, base.eos_token_ids, base.max_len)
+        self.engine = llm.engine.with_k(k or 0)
 
     def generate(self, prompt_ids, max_new_tokens, temperature, seed) -> Generation:
         params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed)

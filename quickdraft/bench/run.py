@@ -66,12 +66,10 @@ def _load_target(cfg: BenchConfig, model, tokenizer):
     """The shared target and the reference LLM (method none) built on it."""
     from quickdraft import LLM
 
-    source = None if model is not None else loader.resolve(cfg.model)
     llm = LLM(model if model is not None else cfg.model, tokenizer=tokenizer, speculative_config={"method": "none"},
               dtype=cfg.dtype if model is None else next(model.parameters()).dtype,
               device=cfg.device if model is None else next(model.parameters()).device)
-    target = methods.Target(llm.target.model, llm.tokenizer, cfg.model if model is None else llm.model_name, source,
-                            set(llm.engine.eos_token_ids))
+    target = methods.Target(llm.target, llm.tokenizer, llm.model_name, llm.source, set(llm.engine.eos_token_ids))
     return target, llm
 
 

@@ -43,25 +43,6 @@ class RequestOutput:
     finished: bool = True
 
 
-def combine_metrics(parts: Seq[RequestMetrics]) -> RequestMetrics:
-    """Sum the metrics of several completions of one request (n > 1)."""
-    if len(parts) == 1:
-        return parts[0]
-    total = RequestMetrics(num_prompt_tokens=parts[0].num_prompt_tokens,
-                           num_speculative_tokens=parts[0].num_speculative_tokens,
-                           first_token_time_s=parts[0].first_token_time_s)
-    for m in parts:
-        for name in ("num_generated_tokens", "target_forwards", "draft_forwards", "proposed_tokens",
-                     "accepted_tokens", "draft_time_s", "target_time_s", "verify_time_s", "wall_time_s"):
-            setattr(total, name, getattr(total, name) + getattr(m, name))
-        for name in ("accepted_per_position", "proposed_per_position"):
-            mine, theirs = getattr(total, name), getattr(m, name)
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for i, v in enumerate(theirs):
-                mine[i] += v
-    return total
-
-
 class TextStream:
     """Iterates over the text deltas of one completion; `.output` holds the RequestOutput once it ends."""
 
@@ -266,7 +247,7 @@ class LLM:
                     yield delta
             completions.append(CompletionOutput(index, detok.text, list(seq.output_ids), seq.finish_reason))
             metrics.append(seq.metrics)
-        return RequestOutput(request_id, text, prompt_ids, completions, combine_metrics(metrics))
+        return RequestOutput(request_id, text, prompt_ids, completions, RequestMetrics.combine(metrics))
 
     def _drain(self, gen: Iterator[str]) -> RequestOutput:
         while True:

@@ -55,6 +55,28 @@ class RequestMetrics:
     def tokens_per_s(self) -> float | None:
         return self.num_generated_tokens / self.wall_time_s if self.wall_time_s > 0 else None
 
+    @staticmethod
+    def combine(parts: "list[RequestMetrics]") -> "RequestMetrics":
+        """The pooled metrics of several generations (the n completions of a request, a benchmark's
+        prompts): counts, times and per-position counts summed."""
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return RequestMetrics()
+        total = RequestMetrics(num_prompt_tokens=parts[0].num_prompt_tokens,
+                               num_speculative_tokens=parts[0].num_speculative_tokens,
+                               first_token_time_s=parts[0].first_token_time_s)
+        for m in parts:
+            for name in ("num_generated_tokens", "target_forwards", "draft_forwards", "proposed_tokens",
+                         "accepted_tokens", "draft_time_s", "target_time_s", "verify_time_s", "wall_time_s"):
+                setattr(total, name, getattr(total, name) + getattr(m, name))
+            for name in ("accepted_per_position", "proposed_per_position"):
+                mine, theirs = getattr(total, name), getattr(m, name)
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for i, v in enumerate(theirs):
+                    mine[i] += v
+        return total
+
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items()}
         out.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,

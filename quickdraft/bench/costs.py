@@ -61,17 +61,15 @@ def draft_statistics(metrics: Sequence[RequestMetrics]) -> dict[str, float | Non
 
     alpha is estimated from the per-position counts: position i can only be accepted when position i-1
     was, so the steps that reached position i are min(accepted[i-1], proposed[i])."""
-    steps = sum(m.target_forwards for m in metrics)
-    width = max((len(m.proposed_per_position) for m in metrics), default=0)
-    proposed = np.zeros(width)
-    accepted = np.zeros(width)
-    for m in metrics:
-        proposed[: len(m.proposed_per_position)] += m.proposed_per_position
-        accepted[: len(m.accepted_per_position)] += m.accepted_per_position
+    pooled = RequestMetrics.combine(list(metrics))
+    steps = pooled.target_forwards
+    proposed = np.asarray(pooled.proposed_per_position, dtype=float)
+    accepted = np.asarray(pooled.accepted_per_position, dtype=float)
+    width = proposed.shape[0]
     drafted_steps = float(proposed[0]) if width else 0.0
     reached = np.minimum(np.concatenate([[drafted_steps], accepted[:-1]]), proposed) if width else proposed
-    draft_time = sum(m.draft_time_s for m in metrics)
-    draft_forwards = sum(m.draft_forwards for m in metrics)
+    draft_time = pooled.draft_time_s
+    draft_forwards = pooled.draft_forwards
     return {
         "alpha": float(accepted.sum() / reached.sum()) if width and reached.sum() else None,
         "draft_fraction": drafted_steps / steps if steps else None,

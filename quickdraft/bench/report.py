@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from quickdraft.bench import costs
 from quickdraft.bench.dataset import Record
 from quickdraft.bench.methods import REFERENCES, Generation, Runner
+from quickdraft.engine import RequestMetrics
 
 
 @dataclass
@@ -46,17 +47,14 @@ class PromptResult:
         return [t.generation.metrics for t in self.turns if t.generation.metrics is not None]
 
     def to_dict(self) -> dict:
-        metrics = self.metrics
-        accepted = sum(m.accepted_tokens for m in metrics)
-        proposed = sum(m.proposed_tokens for m in metrics)
-        forwards = sum(m.target_forwards for m in metrics)
+        pooled = RequestMetrics.combine(self.metrics)
         return {
             "question_id": self.record.question_id, "category": self.record.category, "turns": len(self.turns),
             "prompt_tokens": [len(t.prompt_ids) for t in self.turns],
             "generated_tokens": [len(t.generation.token_ids) for t in self.turns],
             "seconds": self.seconds, "tokens_per_s": self.tokens_per_s,
-            "acceptance_rate": accepted / proposed if proposed else None,
-            "mean_accepted_length": self.tokens / forwards if forwards else None,
+            "acceptance_rate": pooled.acceptance_rate,
+            "mean_accepted_length": pooled.mean_accepted_length,
             "greedy_divergence": self.divergence,
         }
 
@@ -82,20 +80,17 @@ def group_stats(results: Sequence[PromptResult], greedy: bool) -> dict[str, Any]
         "greedy_mismatches": sum(r.divergence is not None for r in results) if greedy else None,
         "time_per_step": None,
     }
-    proposed = sum(m.proposed_tokens for m in metrics)
-    steps = sum(m.target_forwards for m in metrics)
-    if proposed:
-        width = max(len(m.proposed_per_position) for m in metrics)
-        stats["acceptance_rate"] = sum(m.accepted_tokens for m in metrics) / proposed
+    pooled = RequestMetrics.combine(metrics)
+    steps = pooled.target_forwards
+    if pooled.proposed_tokens:
+        stats["acceptance_rate"] = pooled.acceptance_rate
         stats["acceptance_by_position"] = [
-            _ratio(sum(m.accepted_per_position[i] for m in metrics if i < len(m.accepted_per_position)),
-                   sum(m.proposed_per_position[i] for m in metrics if i < len(m.proposed_per_position)))
-            for i in range(width)]
+            _ratio(a, p) for a, p in zip(pooled.accepted_per_position, pooled.proposed_per_position)]
     if steps:
         if any(m.num_speculative_tokens for m in metrics):
-            stats["mean_accepted_length"] = sum(m.num_generated_tokens for m in metrics) / steps
-        parts = {name: sum(getattr(m, f"{name}_time_s") for m in metrics) for name in ("target", "draft", "verify")}
-        wall = sum(m.wall_time_s for m in metrics)
+            stats["mean_accepted_length"] = pooled.mean_accepted_length
+        parts = {name: getattr(pooled, f"{name}_time_s") for name in ("target", "draft", "verify")}
+        wall = pooled.wall_time_s
         parts["other"] = max(0.0, wall - sum(parts.values()))
         stats["time_per_step"] = {"steps": steps, "wall_ms": 1e3 * wall / steps,
                                   **{f"{k}_ms": 1e3 * v / steps for k, v in parts.items()},

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from quickdraft.drafts import (DraftModelProposer, LayerSkipProposer, NgramProposer, NoDraft, Proposer,
-                               SpeculativeConfig)
+                               QuantizedSelfProposer, SpeculativeConfig)
 from quickdraft.engine import Engine, RequestMetrics, Sequence
 from quickdraft.errors import QuickdraftError, TokenizerMismatchError
 from quickdraft.models import loader
-from quickdraft.models.runner import HFRunner
+from quickdraft.models.runner import make_runner, quantized
 from quickdraft.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -123,9 +123,14 @@ class LLM:
 
     model: an alias (smollm2-135m, gemma3-270m), a .gguf file, a model directory, a hub id, or a loaded
         transformers model (then pass `tokenizer` too, or drive it with prompt_token_ids).
-    speculative_config: {"method": "ngram"|"draft_model"|"layer_skip"|"none", "num_speculative_tokens": K,
-        "model": ..., "num_layers": ..., "prompt_lookup_min": ..., "prompt_lookup_max": ...}.
+    speculative_config: {"method": "ngram"|"draft_model"|"layer_skip"|"quantized"|"none",
+        "num_speculative_tokens": K, "adaptive": True, "model": ..., "num_layers": ..., "quantization": "int8",
+        "prompt_lookup_min": ..., "prompt_lookup_max": ...} (see SpeculativeConfig).
     speculative_model / num_speculative_tokens: shorthand for method draft_model.
+    dtype: auto (bf16 on CUDA and on CPUs with native bf16, else float32; a model object keeps its own),
+        float32, bfloat16, float16.
+    runner: auto (quickdraft's native decoder for Llama-family and Gemma 3 models, transformers otherwise),
+        native, or hf (always the transformers forward).
     """
 
     def __init__(
@@ -141,9 +146,14 @@ class LLM:
         seed: int | None = None,
         trust_remote_code: bool = False,
         max_model_len: int | None = None,
+        runner: str = "auto",
     ):
         self.device = loader.resolve_device(device)
-        self.dtype = loader.resolve_dtype(dtype, self.device)
+        if isinstance(model, nn.Module) and isinstance(dtype, str) and dtype == "auto":
+            self.dtype = next(model.parameters()).dtype  # a model object keeps its dtype unless told otherwise
+        else:
+            self.dtype = loader.resolve_dtype(dtype, self.device)
+        self.runner_kind = runner
         self.trust_remote_code = trust_remote_code
         config = dict(speculative_config or {}) if not isinstance(speculative_config, SpeculativeConfig) \
             else speculative_config
@@ -158,12 +168,13 @@ class LLM:
         self.speculative_config = SpeculativeConfig.from_dict(config)
 
         self.model_name, target_model, self.tokenizer, self.source = self._load(model, tokenizer)
-        self.target = HFRunner(target_model, name=self.model_name)
+        self.target = make_runner(target_model, self.model_name, runner)
         self.proposer = self._build_proposer(self.speculative_config)
         eos = self._eos_token_ids(target_model)
         if max_model_len is not None and not (isinstance(max_model_len, int) and max_model_len >= 2):
             raise QuickdraftError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
-        self.engine = Engine(self.target, self.proposer, self.speculative_config.effective_k, eos, max_model_len)
+        self.engine = Engine(self.target, self.proposer, self.speculative_config.effective_k, eos, max_model_len,
+                             adaptive_k=self.speculative_config.adaptive)
         self._seed_rng = random.Random(seed)
 
     # --- construction -------------------------------------------------------------------------------------
@@ -181,11 +192,16 @@ class LLM:
         if config.method == "ngram":
             return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         if config.method == "layer_skip":
-            return LayerSkipProposer(self.target, config.num_layers)
+            return LayerSkipProposer(self.target, config.num_layers, config.quantization)
+        if config.method == "quantized":
+            return QuantizedSelfProposer(self.target, config.quantization)
         draft_name, draft_model, draft_tokenizer, _ = self._load(config.model, None)
         if self.tokenizer is not None or draft_tokenizer is not None:
             check_same_tokenizer(self.tokenizer, draft_tokenizer, self.model_name, draft_name)
-        return DraftModelProposer(HFRunner(draft_model, name=draft_name), self.target.vocab_size)
+        runner = make_runner(draft_model, draft_name, self.runner_kind)
+        if config.quantization:
+            runner = quantized(runner, config.quantization)
+        return DraftModelProposer(runner, self.target.vocab_size)
 
     @staticmethod
     def _eos_token_ids(model: nn.Module) -> set[int]:
@@ -239,7 +255,10 @@ class LLM:
         generator = self._generator(params)
         completions, metrics = [], []
         for index in range(params.n):
-            seq = self.engine.new_sequence(prompt_ids, params, generator)
+            # A request's own seed makes its text reproducible with or without speculation (position-keyed
+            # noise); without one, verification is rejection sampling from the LLM's generator.
+            noise_key = hash((params.seed, index)) if params.seed is not None else None
+            seq = self.engine.new_sequence(prompt_ids, params, generator, noise_key)
             detok = _Detokenizer(self.tokenizer, params)
             for tokens in self.engine.run(seq):
                 delta = detok.update(seq, len(tokens))

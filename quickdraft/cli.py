@@ -12,11 +12,11 @@ from quickdraft.errors import QuickdraftError
 
 
 def draft_config(draft: str, k: int) -> dict[str, Any]:
-    """--draft ngram | layers:N | none | MODEL  ->  a speculative_config dict."""
+    """--draft ngram | layers:N | quantized | none | MODEL  ->  a speculative_config dict."""
     if draft == "none":
         return {"method": "none"}
-    if draft == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k}
+    if draft in ("ngram", "quantized"):
+        return {"method": draft, "num_speculative_tokens": k}
     if draft.startswith("layers:"):
         value = draft.split(":", 1)[1]
         if not value.isdigit():
@@ -37,7 +37,8 @@ def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text with speculative decoding")
     p.add_argument("prompt", help="the prompt (a user message with --chat)")
     p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
-    p.add_argument("--draft", default="ngram", help="ngram | layers:N | none | a draft MODEL (default: ngram)")
+    p.add_argument("--draft", default="ngram", help="ngram | layers:N | quantized (the target in int8) | none | a draft MODEL "
+                   "(default: ngram)")
     p.add_argument("--k", type=int, default=5, help="speculative tokens per step (default 5)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -54,6 +55,9 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--runner", default="auto", choices=["auto", "native", "hf"],
+                   help="auto: quickdraft's native decoder where the architecture has one, else transformers")
+    p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
     p.set_defaults(func=run_generate)
 
 
@@ -80,9 +84,11 @@ def run_generate(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise QuickdraftError("the prompt is empty; give some text to continue")
     spec = draft_config(args.draft, args.k)
+    if args.fixed_k and spec["method"] != "none":
+        spec["adaptive"] = False
     _quiet_transformers()
     llm = LLM(args.model or DEFAULT_MODEL, speculative_config=spec, dtype=args.dtype, device=args.device,
-              trust_remote_code=args.trust_remote_code)
+              trust_remote_code=args.trust_remote_code, runner=args.runner)
     prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     stream = llm.stream(prompt, params)
     for delta in stream:

@@ -1,7 +1,7 @@
 """The propose-verify-accept loop.
 
 One step for one sequence: the proposer drafts k tokens; the target runs once on the tokens its cache
-lacks (the last committed token, or the whole prompt on the first step) followed by the k drafts; the
+lacks (the last committed token; on the first step the whole prompt, alone) followed by the k drafts; the
 k+1 last rows of its logits are processed with the request's sampling parameters and verified against the
 draft; the accepted prefix plus one target token (the correction or the bonus) is committed; the target's
 cache rolls back to exactly the committed positions. All per-request state lives on the Sequence.
@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import torch
 
-from quickdraft import sampling, verify
+from quickdraft import adaptive, sampling, verify
 from quickdraft.cache import SequenceCache
 from quickdraft.drafts.base import Proposal, Proposer
 from quickdraft.errors import QuickdraftError
@@ -88,8 +88,11 @@ class Sequence:
     """One request being generated: its tokens, sampling state, caches and metrics."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator | None,
-                 device: torch.device, vocab_size: int):
+                 device: torch.device, vocab_size: int, noise_key: int | None = None):
         self.prompt_ids = list(prompt_ids)
+        # Seeded sampling: each output position draws from noise keyed by (noise_key, position), so the text
+        # is the same with speculation on or off and whatever K (see verify). None: rejection sampling.
+        self.noise_key = None if params.greedy else noise_key
         self.output_ids: list[int] = []
         self.params = params
         self.generator = generator
@@ -97,6 +100,7 @@ class Sequence:
         self.penalties = sampling.PenaltyHistory(prompt_ids, vocab_size, device) if params.uses_penalties else None
         self.target_cache = SequenceCache()
         self.draft_state: Any = None
+        self.acceptance = adaptive.AcceptanceStats()
         self.finish_reason: str | None = None
         self.metrics = RequestMetrics(num_prompt_tokens=len(prompt_ids))
         self._token_ids = list(prompt_ids)
@@ -152,12 +156,14 @@ class Engine:
     """Speculative decoding of sequences with one target runner and one proposer."""
 
     def __init__(self, target: HFRunner, proposer: Proposer, num_speculative_tokens: int,
-                 eos_token_ids: set[int] | None = None, max_len: int | None = None):
+                 eos_token_ids: set[int] | None = None, max_len: int | None = None, adaptive_k: bool = False):
         if num_speculative_tokens < 0:
             raise QuickdraftError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         self.target = target
         self.proposer = proposer
         self.k = num_speculative_tokens
+        self.adaptive_k = adaptive_k and num_speculative_tokens > 0
+        self.step_costs = adaptive.StepCosts(num_speculative_tokens)
         self.eos_token_ids = set(eos_token_ids or ())
         self.max_len = min(max_len or target.max_len, target.max_len)
 
@@ -165,12 +171,15 @@ class Engine:
     def device(self) -> torch.device:
         return self.target.device
 
-    def with_k(self, num_speculative_tokens: int) -> "Engine":
-        """The same target, proposer and limits with another draft length (proposers keep no per-K state)."""
-        return Engine(self.target, self.proposer, num_speculative_tokens, self.eos_token_ids, self.max_len)
+    def with_k(self, num_speculative_tokens: int, adaptive_k: bool | None = None) -> "Engine":
+        """The same target, proposer and limits with another draft length (proposers keep no per-K state),
+        adaptive or fixed (default: as this engine)."""
+        adaptive_k = self.adaptive_k if adaptive_k is None else adaptive_k
+        return Engine(self.target, self.proposer, num_speculative_tokens, self.eos_token_ids, self.max_len,
+                      adaptive_k)
 
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams,
-                     generator: torch.Generator | None = None) -> Sequence:
+                     generator: torch.Generator | None = None, noise_key: int | None = None) -> Sequence:
         if not prompt_ids:
             raise QuickdraftError("the prompt is empty; give at least one token of prompt")
         vocab = self.target.vocab_size
@@ -180,7 +189,8 @@ class Engine:
         if len(prompt_ids) >= self.max_len:
             raise QuickdraftError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_len}; "
                                   "shorten the prompt so that at least one token can be generated")
-        seq = Sequence(prompt_ids, params, generator, self.device, vocab)
+        seq = Sequence(prompt_ids, params, generator, self.device, vocab, noise_key)
+        seq.target_cache = self.target.new_cache()
         seq.metrics.num_speculative_tokens = self.k
         seq.draft_state = self.proposer.new_state(seq)
         return seq
@@ -190,7 +200,12 @@ class Engine:
         metrics = seq.metrics
         history = seq.token_ids
         remaining = seq.params.max_tokens - len(seq.output_ids)
-        k = max(0, min(self.k, remaining - 1, self.max_len - len(history)))
+        k = adaptive.choose_k(seq.acceptance, self.step_costs, self.k) if self.adaptive_k else self.k
+        k = max(0, min(k, remaining - 1, self.max_len - len(history)))
+        if len(history) - len(seq.target_cache) > 1:
+            # The prompt goes through the target alone, as in plain decoding: kernels may pick their method
+            # by the number of rows, and the prompt's cached keys must not depend on whether drafts followed.
+            k = 0
 
         t0 = time.perf_counter()
         draft_forwards = self.proposer.forwards
@@ -213,6 +228,10 @@ class Engine:
         processed = seq.process(logits, draft)
         if seq.params.greedy:
             num_accepted, next_token = verify.greedy_accept(processed[None], draft[None])
+        elif seq.noise_key is not None:
+            noise = sampling.position_noise(seq.noise_key, len(seq.output_ids), k + 1, processed.shape[-1],
+                                            processed.device)
+            num_accepted, next_token = verify.greedy_accept((processed / noise)[None], draft[None])
         else:
             q = None if proposal.probs is None else proposal.probs[:k][None]
             num_accepted, next_token = verify.rejection_sample(processed[None], q, draft[None], seq.generator)
@@ -221,6 +240,10 @@ class Engine:
         cache.rollback(len(history) + n)  # keep the committed drafts, drop the rejected ones
         t3 = time.perf_counter()
 
+        if self.adaptive_k:
+            seq.acceptance.update(k, n)
+            if feed.numel() == k + 1:  # not a prefill: a step like every later one
+                self.step_costs.record(k, t3 - t0)
         metrics.proposed_tokens += k
         metrics.accepted_tokens += n
         for i in range(k):
@@ -246,5 +269,5 @@ class Engine:
                 yield tokens
         finally:
             seq.metrics.wall_time_s = time.perf_counter() - start
-            seq.target_cache = SequenceCache()  # free the KV memory of finished or abandoned requests
+            seq.target_cache = self.target.new_cache()  # free the KV memory of finished or abandoned requests
             seq.draft_state = None

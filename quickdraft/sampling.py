@@ -109,3 +109,20 @@ def sample(processed: torch.Tensor, params: SamplingParams, generator: torch.Gen
         return processed.argmax(-1)
     flat = processed.reshape(-1, processed.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(processed.shape[:-1])
+
+
+def position_noise(key: int, first: int, count: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [count, vocab] for output positions first .. first+count-1, a function of (key, position)
+    only: whichever step reaches a position, and however many positions it verifies, it draws the same."""
+    rows = []
+    for position in range(first, first + count):
+        generator = torch.Generator(device=device).manual_seed(hash((key, position)) & 0x7FFF_FFFF_FFFF_FFFF)
+        rows.append(torch.rand(vocab, generator=generator, device=device))
+    return -torch.log(torch.stack(rows))  # u in [0, 1): noise in (0, inf]
+
+
+def sample_with_noise(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax_i p_i / E_i with E_i ~ Exp(1) independent: a draw from p (the exponential race, a form of the
+    Gumbel-max trick). With noise from `position_noise`, a seeded request draws the same token at a position
+    whether it decodes plainly or speculatively."""
+    return (probs / noise).argmax(-1)

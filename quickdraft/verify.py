@@ -1,5 +1,10 @@
 """Speculative verification: rejection sampling (Leviathan et al. 2023, Chen et al. 2023) and greedy matching.
 
+Seeded sampled requests are verified by greedy matching too, of the target's own noise-keyed draws
+(sampling.sample_with_noise with sampling.position_noise): the target's token at each position is exactly a
+draw from its distribution, the same draw plain decoding makes, and a draft is accepted where it equals it.
+The output is then plain sampling's output token for token, whatever K and whatever the draft.
+
 Pure tensor functions, batched over a leading dimension B, with no host synchronisation: the caller reads
 the results once per step.
 

@@ -86,24 +86,26 @@ def _chi_square_pvalue(samples: Counter, law: dict, n: int) -> float:
     return stats.chisquare(observed, [e * scale for e in expected]).pvalue
 
 
+@pytest.mark.parametrize("seeding", ["llm", "request"], ids=["rejection", "position-noise"])
 @pytest.mark.parametrize("params, method", [
     (dict(temperature=1.0), "draft_model"),
     (dict(temperature=0.8, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5), "draft_model"),
     (dict(temperature=1.2, top_k=5, frequency_penalty=0.6), "ngram"),
 ], ids=["t1-draft", "topp-penalties-draft", "topk-freq-ngram"])
-def test_sampled_first_three_tokens_follow_the_target_law(params, method):
-    """Chi-square goodness of fit of 3000 speculative and 3000 plain samples against the exact law.
+def test_sampled_first_three_tokens_follow_the_target_law(params, method, seeding):
+    """Chi-square goodness of fit of 3000 speculative and 3000 plain samples against the exact law, with
+    rejection sampling (no request seed) and with position-keyed noise (a request seed).
     Seeds are fixed; the test fails at p < 1e-4 (false alarm rate 1e-4 per sample set)."""
     n = 3000
     target, draft = tiny_llama(seed=0, vocab_size=8, layers=2), tiny_llama(seed=5, vocab_size=8, layers=2)
     prompt = [1, 2, 3, 1, 2]
-    sp = SamplingParams(n=n, max_tokens=3, seed=1234, **params)
+    sp = SamplingParams(n=n, max_tokens=3, seed=1234 if seeding == "request" else None, **params)
     law = _exact_three_token_law(target, prompt, sp)
     config = {"method": method, "num_speculative_tokens": 3}
     if method == "draft_model":
         config["model"] = draft
     for spec in (config, None):
-        llm = LLM(target, dtype="float32", device="cpu", speculative_config=spec)
+        llm = LLM(target, dtype="float32", device="cpu", speculative_config=spec, seed=99)
         out = llm.generate({"prompt_token_ids": prompt}, sp)[0]
         samples = Counter(tuple(c.token_ids) for c in out.outputs)
         assert sum(samples.values()) == n and all(len(k) == 3 for k in samples)
@@ -153,9 +155,23 @@ def test_same_seed_same_tokens_and_context_limit():
     assert other[0].outputs[0].token_ids != first.token_ids[:20]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_request_seed_gives_the_same_text_with_speculation_on_or_off(dtype):
+    target = tiny_llama(seed=0).to(dtype)
+    sp = SamplingParams(temperature=0.9, top_p=0.95, repetition_penalty=1.1, max_tokens=40, seed=7)
+    plain = LLM(target).generate({"prompt_token_ids": PROMPT}, sp)[0].outputs[0].token_ids
+    for method, extra in (("ngram", {}), ("layer_skip", {"num_layers": 2}),
+                          ("draft_model", {"model": tiny_llama(seed=1).to(dtype)})):
+        for k in (2, 5):
+            config = {"method": method, "num_speculative_tokens": k, **extra}
+            out = LLM(target, speculative_config=config).generate({"prompt_token_ids": PROMPT}, sp)[0]
+            assert out.outputs[0].token_ids == plain, (method, k)
+            assert out.metrics.proposed_tokens > 0
+
+
 def test_layer_skip_shares_the_target_weights():
     target = tiny_llama(seed=0)
-    llm = LLM(target, speculative_config={"method": "layer_skip", "num_layers": 2})
+    llm = LLM(target, runner="hf", speculative_config={"method": "layer_skip", "num_layers": 2})
     view = llm.proposer.runner.model
     assert len(view.model.layers) == 2 and len(target.model.layers) == 4
     target_ptrs = {p.data_ptr() for p in target.parameters()}

@@ -26,6 +26,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--fixed-k", action="store_true",
+                   help="propose exactly K every step (default: adaptive K up to K; a K sweep is always fixed)")
+    p.add_argument("--runner", default="auto", choices=["auto", "native", "hf"],
+                   help="quickdraft's runner for the target (default auto: native where the architecture has one)")
     p.set_defaults(func=run_from_args)
 
 
@@ -36,6 +40,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     cfg = BenchConfig(dataset=args.dataset, model=args.model or DEFAULT_MODEL, methods=args.methods, k=args.k,
                       max_new_tokens=args.max_new_tokens, limit_per_category=args.limit_per_category,
                       categories=args.categories, temperature=args.temperature, out=args.out, plots=args.plots,
-                      dtype=args.dtype, device=args.device, threads=args.threads, seed=args.seed)
+                      dtype=args.dtype, device=args.device, threads=args.threads, seed=args.seed,
+                      adaptive=not args.fixed_k, runner=args.runner)
     run_bench(cfg)
     return 0

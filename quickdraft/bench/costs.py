@@ -22,7 +22,6 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from quickdraft.cache import SequenceCache
 from quickdraft.engine import RequestMetrics
 
 MODEL_DESCRIPTION = (__doc__ or "").split("\n\n", 1)[1].strip()
@@ -34,7 +33,7 @@ def measure_target_forward(runner, context_ids: Sequence[int], sizes: Sequence[i
     context_ids, n logits kept, as in a verification step. Sizes are interleaved within each repeat so that
     drift affects them alike; one extra round warms up."""
     context = len(context_ids)
-    cache = SequenceCache()
+    cache = runner.new_cache()
     runner.forward(cache, torch.tensor(list(context_ids), dtype=torch.long), num_logits=1)
     extra = torch.tensor([context_ids[i % context] for i in range(max(sizes))], dtype=torch.long)
     times: dict[int, list[float]] = {n: [] for n in sizes}
@@ -93,3 +92,46 @@ def predict(stats: dict[str, float | None], forward_s: dict[int, float]) -> dict
     tokens = expected_tokens_per_step(alpha, k, f)
     step = (1 - f) * t(1) + f * t(k + 1) + draft
     return {"predicted_tokens_per_step": tokens, "predicted_step_s": step, "predicted_speedup": tokens * t(1) / step}
+
+
+def measure_read_bandwidth(device: torch.device, size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second this device reads: the median time to sum a float32 tensor of size_bytes (1 GiB by
+    default, larger than any CPU's cache, so the figure is memory's, not the cache's)."""
+    data = torch.ones(size_bytes // 4, device=device)  # written, so that every page is really mapped
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        data.sum().item()
+        if i:
+            times.append(time.perf_counter() - start)
+    del data
+    return size_bytes / statistics.median(times)
+
+
+def weight_bytes(runner) -> int:
+    """Bytes of weights one decoding step reads: every parameter but the input embedding (of which a step
+    reads a row), counted once when the output head shares it."""
+    if hasattr(runner, "weight_bytes"):
+        return int(runner.weight_bytes)
+    model = runner.model
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if embedding.data_ptr() != head.data_ptr():
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def runner_costs(runners: dict[str, object], context_ids: Sequence[int], k: int, bandwidth: float,
+                 repeats: int) -> dict[str, dict[str, float]]:
+    """For each runner: one-token and (k+1)-token forward times, and the one-token forward against the floor
+    its weight bytes impose at the measured bandwidth (a forward cannot read its weights faster)."""
+    out = {}
+    for name, runner in runners.items():
+        forward = measure_target_forward(runner, context_ids, [1, k + 1], repeats)
+        size = weight_bytes(runner)
+        floor = size / bandwidth
+        out[name] = {"weight_MB": size / 1e6, "floor_ms": 1e3 * floor, "forward_1_ms": 1e3 * forward[1],
+                     f"forward_{k + 1}_ms": 1e3 * forward[k + 1], "forward_1_over_floor": forward[1] / floor,
+                     f"forward_{k + 1}_over_1": forward[k + 1] / forward[1]}
+    return out

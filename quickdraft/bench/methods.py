@@ -61,7 +61,7 @@ def _check_model(model: str, method: str) -> None:
 
 
 def parse_method(name: str) -> MethodSpec:
-    if name in ("none", "ngram"):
+    if name in ("none", "ngram", "quantized"):
         return MethodSpec(name, "quickdraft", name)
     if name.startswith("layers:"):
         value = name.split(":", 1)[1]
@@ -159,10 +159,10 @@ class Runner(ABC):
 class QuickdraftRunner(Runner):
     """quickdraft's engine, driven directly: no per-step detokenization, like the baselines."""
 
-    def __init__(self, spec: MethodSpec, k: int | None, label: str, llm):
+    def __init__(self, spec: MethodSpec, k: int | None, label: str, llm, adaptive: bool = True):
         super().__init__(spec, k, label)
         self.llm = llm
-        self.engine = llm.engine.with_k(k or 0)
+        self.engine = llm.engine.with_k(k or 0, adaptive_k=adaptive)
 
     def generate(self, prompt_ids, max_new_tokens, temperature, seed) -> Generation:
         params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed)
@@ -263,8 +263,10 @@ def _label(spec: MethodSpec, k: int, sweep: bool) -> str:
     return f"{spec.name} k={k}" if spec.speculative and sweep else spec.name
 
 
-def build_runners(specs: Sequence[MethodSpec], ks: Sequence[int], target: Target, reference_llm) -> list[Runner]:
-    """One runner per method and K (baselines once); quickdraft methods share one LLM per method."""
+def build_runners(specs: Sequence[MethodSpec], ks: Sequence[int], target: Target, reference_llm,
+                  adaptive: bool = True, runner: str = "auto") -> list[Runner]:
+    """One runner per method and K (baselines once); quickdraft methods share one LLM per method. A K sweep
+    runs each K fixed; a single K is the largest K of adaptive decoding unless adaptive is False."""
     from quickdraft import LLM
     from quickdraft.api import check_same_tokenizer
     from quickdraft.cli import draft_config
@@ -276,8 +278,8 @@ def build_runners(specs: Sequence[MethodSpec], ks: Sequence[int], target: Target
         if spec.is_quickdraft:
             llm = reference_llm if spec.name == "none" else LLM(
                 target.model, tokenizer=target.tokenizer, speculative_config=draft_config(spec.arg, ks[0]),
-                dtype=target.dtype, device=target.device)
-            runners += [QuickdraftRunner(spec, k, _label(spec, k, sweep), llm) for k in values]
+                dtype=target.dtype, device=target.device, runner=runner)
+            runners += [QuickdraftRunner(spec, k, _label(spec, k, sweep), llm, adaptive and not sweep) for k in values]
         elif spec.kind.startswith("hf"):
             assistant = None
             if spec.kind == "hf-assist":

@@ -242,6 +242,16 @@ def render(report: dict, console) -> None:
     c = report["costs"]
     forward = ", ".join(f"{n} tok {ms:.2f} ms" for n, ms in c["target_forward_ms"].items())
     console.print(f"target forward after {c['context_tokens']} tokens of cache (median of {c['repeats']}): {forward}")
+    if c.get("runners"):
+        table = Table(title=f"forward cost vs the bandwidth floor (memory read {c['memory_read_GBps']:.1f} GB/s)")
+        rows = list(c["runners"].items())
+        columns = list(rows[0][1])
+        table.add_column("runner")
+        for column in columns:
+            table.add_column(column, justify="right")
+        for name, row in rows:
+            table.add_row(name, *[_fmt(row.get(column)) for column in columns])
+        console.print(table)
     table = Table(title="where a step's time goes (ms per target forward)")
     for column in ["method", "K", "steps", "target", "draft", "verify", "other", "total", "draft/forward"]:
         table.add_column(column, justify="left" if column == "method" else "right")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from quickdraft.bench import DEFAULT_METHODS, dataset, greedy, methods
-from quickdraft.bench.costs import measure_target_forward
+from quickdraft.bench.costs import measure_read_bandwidth, measure_target_forward, runner_costs
 from quickdraft.bench.report import PromptResult, Turn, build_report, render, write_json, write_plots
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import loader
@@ -40,6 +40,8 @@ class BenchConfig:
     device: str = "auto"
     threads: int | None = None
     seed: int = 0
+    adaptive: bool = True
+    runner: str = "auto"
     warmup_tokens: int = 8
     cost_context: int = 200  # cache length at which the target forward is timed
     cost_repeats: int = 7
@@ -68,7 +70,7 @@ def _load_target(cfg: BenchConfig, model, tokenizer):
 
     llm = LLM(model if model is not None else cfg.model, tokenizer=tokenizer, speculative_config={"method": "none"},
               dtype=cfg.dtype if model is None else next(model.parameters()).dtype,
-              device=cfg.device if model is None else next(model.parameters()).device)
+              device=cfg.device if model is None else next(model.parameters()).device, runner=cfg.runner)
     target = methods.Target(llm.target, llm.tokenizer, llm.model_name, llm.source, set(llm.engine.eos_token_ids))
     return target, llm
 
@@ -114,7 +116,7 @@ def run_bench(cfg: BenchConfig, *, model=None, tokenizer=None, console=None, pro
     status.print(f"loading {cfg.model if model is None else type(model).__name__} ...")
     target, reference = _load_target(cfg, model, tokenizer)
     prompts = dataset.PromptFormat(reference)
-    runners = methods.build_runners(specs, ks, target, reference)
+    runners = methods.build_runners(specs, ks, target, reference, cfg.adaptive, cfg.runner)
     if not prompts.chat:
         status.print(f"[yellow]{target.name} has no chat template: the prompts are the raw turn text[/yellow]")
 
@@ -126,6 +128,8 @@ def run_bench(cfg: BenchConfig, *, model=None, tokenizer=None, console=None, pro
     context = max(1, min(cfg.cost_context, reference.target.max_len - max(sizes) - 1))
     context_ids = [first_prompt[i % len(first_prompt)] for i in range(context)]
     forward_s = measure_target_forward(reference.target, context_ids, sizes, cfg.cost_repeats)
+    bandwidth = measure_read_bandwidth(target.device)
+    runner_table = runner_costs(_cost_runners(reference, runners), context_ids, max(ks), bandwidth, cfg.cost_repeats)
 
     results: dict[str, list[PromptResult]] = {r.label: [] for r in runners}
     with _progress(status, progress) as bar:
@@ -148,10 +152,13 @@ def run_bench(cfg: BenchConfig, *, model=None, tokenizer=None, console=None, pro
         "n_prompts": len(records), "n_turns": sum(len(r.turns) for r in records),
         "prompt_format": prompts.description,
         "order": "interleaved: for each prompt every method in turn, after one warm-up generation each",
+        "adaptive_k": cfg.adaptive and len(ks) == 1, "runner": type(reference.target).__name__,
         "timing": TIMING_NOTE, "greedy_reference": "none",
         "versions": _versions(), "started_at": started, "options": asdict(cfg),
     }
     report = build_report(config, runners, results, config["categories"], forward_s, context, cfg.cost_repeats)
+    report["costs"]["memory_read_GBps"] = bandwidth / 1e9
+    report["costs"]["runners"] = runner_table
     report["config"]["elapsed_s"] = time.perf_counter() - start
     if cfg.out:
         write_json(report, cfg.out)
@@ -165,6 +172,21 @@ def run_bench(cfg: BenchConfig, *, model=None, tokenizer=None, console=None, pro
     if cfg.plots:
         console.print(f"plots: {', '.join(report['config']['plots'])}")
     return report
+
+
+def _cost_runners(reference, runners) -> dict:
+    """The runners whose forward the bench times against the bandwidth floor: the target's (and the
+    transformers forward of the same model, for comparison) and each quickdraft draft model's."""
+    from quickdraft.models.runner import HFRunner
+
+    out = {f"target ({type(reference.target).__name__})": reference.target}
+    if not isinstance(reference.target, HFRunner):
+        out["target (HFRunner)"] = HFRunner(reference.target.model)
+    for runner in runners:
+        draft = getattr(getattr(getattr(runner, "llm", None), "proposer", None), "runner", None)
+        if draft is not None:
+            out[f"{runner.spec.name} draft ({draft.name})"] = draft
+    return out
 
 
 def _greedy_check(runners, results, target) -> None:

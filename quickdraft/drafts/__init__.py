@@ -10,9 +10,11 @@ from quickdraft.drafts.draft_model import DraftModelProposer
 from quickdraft.drafts.layer_skip import LayerSkipProposer
 from quickdraft.drafts.ngram import NgramProposer
 from quickdraft.drafts.none import NoDraft
+from quickdraft.drafts.quantized import QuantizedSelfProposer
 from quickdraft.errors import QuickdraftError
 
-METHODS = ("none", "ngram", "draft_model", "layer_skip")
+METHODS = ("none", "ngram", "draft_model", "layer_skip", "quantized")
+QUANTIZATIONS = ("int8",)
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 
 
@@ -20,10 +22,15 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 class SpeculativeConfig:
     """vLLM-style speculative configuration.
 
-    method: none | ngram | draft_model | layer_skip (inferred as draft_model when only `model` is given).
-    num_speculative_tokens: K, the draft length per step.
+    method: none | ngram | draft_model | layer_skip | quantized (inferred as draft_model when only `model` is
+        given). `quantized` drafts with the target's own weights quantized to `quantization`.
+    num_speculative_tokens: K, the draft length per step (the largest K when adaptive).
+    adaptive: pick K per request and step from the measured acceptance and forward costs, down to plain
+        decoding where speculation would lose (K=0). False: always propose num_speculative_tokens.
     model: the draft model for draft_model (alias, .gguf, directory or hub id).
     num_layers: how many of the target's layers layer_skip keeps.
+    quantization: weight-only quantization of the draft (int8); the default for `quantized`. The target is
+        never quantized by this: the output stays exactly the target's.
     prompt_lookup_min / prompt_lookup_max: the n-gram sizes ngram tries, longest first.
     """
 
@@ -31,6 +38,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     model: str | None = None
     num_layers: int | None = None
+    quantization: str | None = None
+    adaptive: bool = True
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
 
@@ -44,6 +53,14 @@ class SpeculativeConfig:
             raise QuickdraftError(f"num_speculative_tokens (K) must be an integer >= 1, got {k!r}")
         if self.method == "draft_model" and not self.model:
             raise QuickdraftError("method 'draft_model' needs a draft model: set speculative_config['model']")
+        if self.method == "quantized" and self.quantization is None:
+            self.quantization = "int8"
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise QuickdraftError(f"unknown quantization {self.quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
+        if self.quantization is not None and self.method in ("none", "ngram"):
+            raise QuickdraftError(f"quantization applies to model drafts; method {self.method!r} has no weights")
+        if not isinstance(self.adaptive, bool):
+            raise QuickdraftError(f"adaptive must be true or false, got {self.adaptive!r}")
         if self.method == "layer_skip" and not (isinstance(self.num_layers, int) and self.num_layers >= 1):
             raise QuickdraftError("method 'layer_skip' needs num_layers, an integer >= 1 "
                                   "(how many of the target's layers the draft keeps)")
@@ -68,4 +85,4 @@ class SpeculativeConfig:
 
 
 __all__ = ["METHODS", "SpeculativeConfig", "Proposal", "Proposer", "NoDraft", "NgramProposer",
-           "DraftModelProposer", "LayerSkipProposer"]
+           "DraftModelProposer", "LayerSkipProposer", "QuantizedSelfProposer"]

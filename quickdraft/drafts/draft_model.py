@@ -2,7 +2,9 @@
 
 Each draft token is drawn from the draft's distribution processed exactly like the target's (same
 penalties with the same history, temperature, top-k/p, min-p); that processed q is what verification
-divides by. Under greedy decoding the draft takes its argmax and verification needs no q."""
+divides by. Under greedy decoding the draft takes its argmax and verification needs no q. A seeded request
+draws with the target's position noise (sampling.position_noise), which couples the draft's draw with the
+target's: they agree wherever the two distributions put their mass alike."""
 
 from __future__ import annotations
 
@@ -43,12 +45,18 @@ class DraftModelProposer(Proposer):
             cache.rollback(start)
         feed = torch.tensor(history[start:], dtype=torch.long, device=self.runner.device)
         tokens = torch.empty(k, dtype=torch.long, device=seq.device)
-        probs = None if seq.params.greedy else torch.empty(k, self.target_vocab_size, device=seq.device)
+        coupled = seq.noise_key is not None  # draw with the target's position noise: no q needed
+        probs = None if seq.params.greedy or coupled else torch.empty(k, self.target_vocab_size, device=seq.device)
         for i in range(k):
             logits = self._to_target_vocab(self.runner.forward(cache, feed)).to(seq.device)
             self.forwards += 1
             processed = seq.process(logits, tokens[:i], first_row=i)
-            token = sampling.sample(processed, seq.params, seq.generator)
+            if coupled:
+                noise = sampling.position_noise(seq.noise_key, len(seq.output_ids) + i, 1, processed.shape[-1],
+                                                processed.device)
+                token = sampling.sample_with_noise(processed, noise)
+            else:
+                token = sampling.sample(processed, seq.params, seq.generator)
             tokens[i] = token[0]
             if probs is not None:
                 probs[i] = processed[0]

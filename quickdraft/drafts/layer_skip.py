@@ -4,13 +4,18 @@ as in LayerSkip / Draft & Verify). The view shares the target's weights; only it
 from __future__ import annotations
 
 from quickdraft.drafts.draft_model import DraftModelProposer
-from quickdraft.models.runner import HFRunner, truncated_view
+from quickdraft.models.runner import HFRunner, quantized, truncated_view
 
 
 class LayerSkipProposer(DraftModelProposer):
     name = "layer_skip"
 
-    def __init__(self, target: HFRunner, num_layers: int):
-        view = truncated_view(target.model, num_layers)
-        super().__init__(HFRunner(view, name=f"{target.name}[:{num_layers} layers]"), target.vocab_size)
+    def __init__(self, target, num_layers: int, quantization: str | None = None):
+        if hasattr(target, "truncated"):  # the native runner shares its layer list
+            runner = target.truncated(num_layers)
+        else:
+            runner = HFRunner(truncated_view(target.model, num_layers), name=f"{target.name}[:{num_layers} layers]")
+        if quantization:
+            runner = quantized(runner, quantization)
+        super().__init__(runner, target.vocab_size)
         self.num_layers = num_layers

@@ -86,3 +86,31 @@ def truncated_view(model: nn.Module, num_layers: int) -> nn.Module:
     view._modules[inner_name] = view_inner
     view.config = config
     return view
+
+
+RUNNERS = ("auto", "native", "hf")
+
+
+def make_runner(model: nn.Module, name: str, kind: str = "auto"):
+    """The runner for `model`: `native` (quickdraft's own decoder, Llama family and Gemma 3), `hf` (the
+    transformers forward, any causal LM), or `auto` (native where the architecture has one)."""
+    if kind not in RUNNERS:
+        raise QuickdraftError(f"unknown runner {kind!r}; use one of {', '.join(RUNNERS)}")
+    if kind == "hf":
+        return HFRunner(model, name=name)
+    from quickdraft.models.native import NativeRunner, supports
+
+    reason = supports(model)
+    if reason is None:
+        return NativeRunner(model, name=name)
+    if kind == "native":
+        raise QuickdraftError(f"{name}: {reason}; use runner='auto' or 'hf'")
+    return HFRunner(model, name=name)
+
+
+def quantized(runner, scheme: str):
+    """A weight-only quantized copy of `runner` (for drafts); only native runners have one."""
+    if not hasattr(runner, "quantized"):
+        raise QuickdraftError(f"{runner.name}: quantization {scheme!r} needs the native runner, which this "
+                              "architecture lacks; drop the quantization or pick another draft")
+    return runner.quantized(scheme)

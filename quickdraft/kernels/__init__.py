@@ -1,0 +1,69 @@
+"""Compiled kernels, built on first use by the machine's C++ compiler (torch.utils.cpp_extension).
+
+`cpu_linear()` returns the module built from cpu_linear.cpp (weight-streaming bf16 and int8 linear layers
+for x86 CPUs with AVX512-BF16, on AMX tiles where present) and cpu_attention.cpp (a decoding step's attention
+and RMSNorm), or None where it cannot run: another CPU, no compiler, or QUICKDRAFT_NO_KERNELS=1.
+Callers then use torch's own matmul. The build (about a minute) is cached under ~/.cache/quickdraft/kernels
+(QUICKDRAFT_CACHE moves it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCES = [str(Path(__file__).with_name(name)) for name in ("cpu_linear.cpp", "cpu_attention.cpp")]
+_state: dict[str, object] = {}
+
+
+def _build_dir() -> Path:
+    root = Path(os.environ.get("QUICKDRAFT_CACHE", Path.home() / ".cache" / "quickdraft"))
+    return root / "kernels" / f"torch-{torch.__version__}"
+
+
+def cpu_linear():
+    if "cpu_linear" in _state:
+        return _state["cpu_linear"]
+    module = None
+    from quickdraft.models.loader import cpu_has_bf16
+
+    if os.environ.get("QUICKDRAFT_NO_KERNELS"):
+        reason = "QUICKDRAFT_NO_KERNELS is set"
+    elif not cpu_has_bf16():
+        reason = "this CPU lacks AVX512-BF16"
+    else:
+        reason = None
+        try:
+            from torch.utils import cpp_extension
+
+            build = _build_dir()
+            build.mkdir(parents=True, exist_ok=True)
+            if not any(build.glob("*.so")):
+                log.warning("quickdraft: compiling its CPU kernels (once, about a minute)")
+            module = cpp_extension.load(
+                name="quickdraft_cpu_linear", sources=_SOURCES, build_directory=str(build),
+                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as error:  # no compiler, no ninja, a compile error: fall back, say why once
+            reason = f"the build failed ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})"
+    if reason:
+        log.info("quickdraft: CPU kernels unavailable, using torch matmuls: %s", reason)
+    _state["cpu_linear"] = module
+    _state["cpu_linear_reason"] = reason
+    return module
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] (K even) -> [ceil(N/16), K/2, 16, 2], the layout cpu_linear reads; padded outputs are zero."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"pack needs an even input size, got {k}")
+    padded = -n % 16
+    if padded:
+        weight = torch.cat([weight, weight.new_zeros(padded, k)])
+    return weight.reshape(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()

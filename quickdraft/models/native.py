@@ -1,0 +1,406 @@
+"""Native decoder runners for the Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM) and Gemma 3.
+
+Built from a loaded transformers model (so every source the loader accepts works, GGUF included): the
+weights are taken once into fused matrices (q|k|v and gate|up), and a forward is a short loop of tensor
+operations over a static KV cache that each sequence preallocates. Rolling back rejected draft tokens
+is a change of length; nothing is copied or recomputed.
+
+Why not the transformers forward: per layer it dispatches through dozens of modules, builds masks and
+cache updates in Python, and uses scaled_dot_product_attention, whose CPU kernel splits its work by the
+number of queries. Here attention is two plain matmuls with a float32 softmax, and on CPU in bf16 (oneDNN)
+every matmul computes each row the same way whatever the number of rows. A token's logits are therefore
+bitwise the same whether it is verified alone or among K+1 tokens, and greedy speculative output equals
+plain greedy output (tests/test_native.py checks this; float32 matmuls on CPU do not have that property).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quickdraft import kernels
+from quickdraft.cache import SequenceCache
+from quickdraft.errors import QuickdraftError
+
+LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
+GEMMA3_FAMILY = {"gemma3_text", "gemma3"}
+SUPPORTED = LLAMA_FAMILY | GEMMA3_FAMILY
+
+
+def supports(model: nn.Module) -> str | None:
+    """None when `model` can run natively, else the reason it cannot."""
+    config = _text_config(model)
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED:
+        return f"architecture {kind!r} has no native runner (native: {', '.join(sorted(SUPPORTED))})"
+    if kind == "qwen2" and getattr(config, "use_sliding_window", False):
+        return "qwen2 with use_sliding_window has no native runner"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attention logit softcapping has no native runner"
+    inner = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    if not isinstance(getattr(inner, "layers", None), nn.ModuleList):
+        return f"{type(model).__name__} has no decoder layer list"
+    return None
+
+
+def _text_config(model: nn.Module):
+    config = model.config
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+# --- weights --------------------------------------------------------------------------------------------------
+
+class Linear:
+    """y = x W^T (+ b), with W dense or weight-only int8 (per-output-channel scales).
+
+    On CPUs with AVX512-BF16, bf16 and int8 weights are packed once for quickdraft's kernels (AMX tiles
+    where present): they stream the weights at close to memory bandwidth for the few rows of a decoding
+    step and compute every row alike whatever the number of rows (see kernels/cpu_linear.cpp)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 scales: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+        # int8 weights come with float32 scales and the model's dtype (that of the activations).
+        self.weight, self.bias, self.scales = weight, bias, scales
+        self.dtype = dtype or weight.dtype
+        self.out_features, self.in_features = weight.shape
+        self._kernels = None
+        if weight.device.type == "cpu" and self.dtype == torch.bfloat16 and self.in_features % 2 == 0:
+            self._kernels = kernels.cpu_linear()
+        if self._kernels is not None:
+            self.weight = kernels.pack(weight)  # the packed copy replaces the row-major one
+            if scales is not None:
+                self.scales = F.pad(scales.float(), (0, -self.out_features % 16))
+        elif scales is not None:
+            self.scales = scales.to(self.dtype)  # torch's int8 matmul takes scales in the activations' dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.bias, self.scales) if t is not None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernels is not None and x.dtype == torch.bfloat16:
+            x = x.contiguous()
+            if self.scales is None:
+                y = self._kernels.linear_bf16(x, self.weight, True)
+            else:
+                y = self._kernels.linear_int8(x, self.weight, self.scales)
+            if y.shape[1] != self.out_features:
+                y = y[:, : self.out_features]
+        elif self.scales is None:
+            y = F.linear(x, self.weight)
+        else:
+            shape = x.shape
+            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.weight, self.scales)
+            y = y.reshape(*shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+    def int8(self) -> "Linear":
+        """Symmetric per-output int8 of this weight (a new Linear; this one is unchanged)."""
+        w = self.dense().float()
+        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        return Linear(q, self.bias, scales, self.dtype)
+
+    def dense(self) -> torch.Tensor:
+        """The [N, K] weight (unpacked; dequantised in float32 when int8)."""
+        w = self.weight
+        if self._kernels is not None:  # [N/16, K/2, 16, 2] -> [N, K]
+            w = w.permute(0, 2, 1, 3).reshape(-1, self.in_features)[: self.out_features]
+        if self.scales is not None:
+            w = w.float() * self.scales[: self.out_features, None].float()
+        return w
+
+
+@dataclass
+class Layer:
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    input_norm: torch.Tensor
+    # Llama: the norm before the MLP. Gemma 3: norms after attention, before and after the MLP.
+    pre_mlp_norm: torch.Tensor
+    post_attn_norm: torch.Tensor | None
+    post_mlp_norm: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [q_heads + kv_heads, head_dim]: per-head norms of queries then keys
+    sliding_window: int | None
+    rope: str  # key of the cos/sin table this layer uses
+
+
+def _fuse(*linears: nn.Linear) -> Linear:
+    weight = torch.cat([l.weight.detach() for l in linears]).contiguous()
+    biases = [l.bias for l in linears]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b.detach() if b is not None else torch.zeros(l.weight.shape[0], dtype=l.weight.dtype, device=l.weight.device)
+         for l, b in zip(linears, biases)])
+    return Linear(weight, bias)
+
+
+def _single(linear: nn.Linear) -> Linear:
+    return Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+
+
+# --- the cache ------------------------------------------------------------------------------------------------
+
+class StaticSequenceCache(SequenceCache):
+    """Keys and values in preallocated tensors [layers, kv_heads, capacity, head_dim], position i at index i.
+    Rolling back only shortens the token list: later writes overwrite the rejected positions."""
+
+    def __init__(self, runner: "NativeRunner"):
+        super().__init__()
+        self.kv = None
+        self._runner = runner
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def reserve(self, length: int) -> None:
+        if length <= self.capacity:
+            return
+        r = self._runner
+        capacity = min(max(length, 2 * self.capacity, 256), max(r.max_len, length))
+        shape = (r.num_layers, r.num_kv_heads, capacity, r.head_dim)
+        keys = torch.empty(shape, dtype=r.dtype, device=r.device)
+        values = torch.empty(shape, dtype=r.dtype, device=r.device)
+        if self.keys is not None:
+            used = len(self)
+            keys[:, :, :used] = self.keys[:, :, :used]
+            values[:, :, :used] = self.values[:, :, :used]
+        self.keys, self.values = keys, values
+
+    def rollback(self, length: int) -> None:
+        ids = self.token_ids
+        if length < 0 or length > len(ids):
+            raise ValueError(f"cannot roll back a cache of {len(ids)} positions to {length}")
+        del ids[length:]
+
+
+# --- the runner -----------------------------------------------------------------------------------------------
+
+def _rms_norm_llama(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Llama rounds the normalised activations to the model dtype before the weight multiplies them.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def _rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Gemma multiplies by (1 + w) in float32 (stored so in `weight`), then rounds.
+    return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * weight).to(x.dtype)
+
+
+class NativeRunner:
+    """A Llama-family or Gemma 3 decoder with a static KV cache; same interface as HFRunner."""
+
+    def __init__(self, model: nn.Module, name: str = "model"):
+        reason = supports(model)
+        if reason:
+            raise QuickdraftError(f"{name}: {reason}; use runner='hf'")
+        self.name = name
+        self.model = model  # kept for its rotary module and for methods that need the transformers model
+        config = self.config = _text_config(model)
+        self.kind = "gemma3" if config.model_type in GEMMA3_FAMILY else "llama"
+        inner = getattr(model, getattr(model, "base_model_prefix", "model"))
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.max_len = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        self.forwards = 0
+        gemma = self.kind == "gemma3"
+        self.scale = (config.query_pre_attn_scalar if gemma else self.head_dim) ** -0.5
+        self.embed = inner.embed_tokens.weight.detach()
+        # Gemma multiplies embeddings by sqrt(hidden) rounded to the model's dtype.
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=self.dtype).item() if gemma else None
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        from transformers.activations import ACT2FN
+        self.act: Callable = ACT2FN[getattr(config, "hidden_activation", None) or config.hidden_act]
+        # quickdraft's CPU kernels for attention and norms (bf16 on AVX512-BF16 CPUs); torch otherwise.
+        self._cpu_kernels = None
+        if (self.device.type == "cpu" and self.dtype == torch.bfloat16 and self.head_dim % 16 == 0
+                and config.hidden_size % 16 == 0):
+            self._cpu_kernels = kernels.cpu_linear()
+        norm = (lambda m: (1.0 + m.weight.detach().float())) if gemma else (lambda m: m.weight.detach())
+
+        layer_types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+            window = None  # Qwen configs carry a window size that only use_sliding_window turns on
+        self.layers: list[Layer] = []
+        for i, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            layer_type = layer_types[i] if layer_types else "full_attention"
+            sliding = window if (layer_type == "sliding_attention" or (not layer_types and window)) else None
+            self.layers.append(Layer(
+                qkv=_fuse(attn.q_proj, attn.k_proj, attn.v_proj), o=_single(attn.o_proj),
+                gate_up=_fuse(mlp.gate_proj, mlp.up_proj), down=_single(mlp.down_proj),
+                input_norm=norm(layer.input_layernorm),
+                pre_mlp_norm=norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm),
+                post_attn_norm=norm(layer.post_attention_layernorm) if gemma else None,
+                post_mlp_norm=norm(layer.post_feedforward_layernorm) if gemma else None,
+                qk_norm=self._qk_norm(attn, norm),
+                sliding_window=sliding, rope=layer_type if gemma else "default"))
+        self.final_norm = norm(inner.norm)
+        self.lm_head = _single(model.get_output_embeddings())
+        self.vocab_size = self.lm_head.out_features
+        self._rotary = inner.rotary_emb
+        self._rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _qk_norm(self, attn: nn.Module, norm: Callable) -> torch.Tensor | None:
+        if not hasattr(attn, "q_norm"):
+            return None
+        q, k = norm(attn.q_norm).float(), norm(attn.k_norm).float()
+        return torch.cat([q.expand(self.num_heads, -1), k.expand(self.num_kv_heads, -1)])
+
+    # --- derived runners (share every tensor they do not change) ---
+    def truncated(self, num_layers: int) -> "NativeRunner":
+        """The first `num_layers` layers, then the final norm and output head (a self-draft)."""
+        total = len(self.layers)
+        if not 1 <= num_layers <= total:
+            raise QuickdraftError(f"layer_skip: num_layers must be in [1, {total}] for this model, got {num_layers}")
+        view = self._copy(f"{self.name}[:{num_layers} layers]")
+        view.layers = self.layers[:num_layers]
+        return view
+
+    def quantized(self, scheme: str) -> "NativeRunner":
+        """The same model with weight-only quantized linear layers (the embedding and norms are shared)."""
+        if scheme != "int8":
+            raise QuickdraftError(f"unknown quantization {scheme!r}; supported: int8")
+        if self.device.type != "cpu" and self.device.type != "cuda":
+            raise QuickdraftError(f"int8 weights need a CPU or CUDA device, not {self.device.type}")
+        view = self._copy(f"{self.name}[{scheme}]")
+        view.layers = [Layer(**{**layer.__dict__, **{name: getattr(layer, name).int8()
+                                                     for name in ("qkv", "o", "gate_up", "down")}})
+                       for layer in self.layers]
+        view.lm_head = self.lm_head.int8()
+        return view
+
+    def _copy(self, name: str) -> "NativeRunner":
+        view = object.__new__(NativeRunner)
+        view.__dict__.update(self.__dict__)
+        view.name, view.forwards = name, 0
+        return view
+
+    # --- the interface shared with HFRunner ---
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decoding step reads (the embedding rows it gathers are negligible)."""
+        total = self.lm_head.nbytes
+        for layer in self.layers:
+            total += layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes
+        return total
+
+    def new_cache(self) -> StaticSequenceCache:
+        return StaticSequenceCache(self)
+
+    def _rope(self, kind: str, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._rope_tables.get(kind)
+        if table is None or table[0].shape[0] < end:
+            size = max(end, 2 * (table[0].shape[0] if table else 0), 512)
+            positions = torch.arange(size, device=self.device)[None]
+            probe = torch.empty(0, dtype=self.dtype, device=self.device)
+            if self.kind == "gemma3":
+                cos, sin = self._rotary(probe, positions, kind)
+            else:
+                cos, sin = self._rotary(probe, positions)
+            sin = sin[0].clone()
+            sin[:, : sin.shape[1] // 2].neg_()
+            table = self._rope_tables[kind] = (cos[0], sin)
+        return table
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, gemma_style: bool = False) -> torch.Tensor:
+        gemma_style = gemma_style or self.kind == "gemma3"
+        if self._cpu_kernels is not None:
+            return self._cpu_kernels.rms_norm(x, weight, self.eps, not gemma_style)
+        return (_rms_norm_gemma if gemma_style else _rms_norm_llama)(x, weight, self.eps)
+
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                   window: int | None, masks: dict) -> torch.Tensor:
+        """Torch attention of queries q [n, Hq, d] at positions start.. over keys/values [Hkv, end, d]."""
+        n, h_q, d = q.shape
+        h_kv, end = keys.shape[0], keys.shape[1]
+        group = h_q // h_kv
+        mask = masks.get(window)
+        if mask is None:  # additive: 0 where a query may see a key, -inf elsewhere
+            q_pos = torch.arange(start, end, device=q.device)[:, None]
+            k_pos = torch.arange(end, device=q.device)[None, :]
+            allowed = k_pos <= q_pos
+            if window is not None:
+                allowed &= k_pos > q_pos - window
+            mask = masks[window] = torch.zeros(allowed.shape, device=q.device).masked_fill_(~allowed, float("-inf"))
+        # Grouped-query attention without repeating keys: a kv head's queries are rows of one matmul.
+        q = q.reshape(n, h_kv, group, d).permute(1, 2, 0, 3).reshape(h_kv, group * n, d)
+        scores = (q @ keys.transpose(1, 2)).view(h_kv, group, n, end)
+        probs = torch.add(mask, scores, alpha=self.scale).softmax(-1).to(q.dtype)  # float32 softmax
+        attn = probs.view(h_kv, group * n, end) @ values
+        return attn.view(h_kv, group, n, d).permute(2, 0, 1, 3).reshape(n, h_q * d)
+
+    @torch.inference_mode()
+    def forward(self, cache: StaticSequenceCache, tokens: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
+        """Append `tokens` [n] at positions len(cache)... and return the float32 logits of the last
+        `num_logits` inputs, [num_logits, V]."""
+        tokens = tokens.reshape(-1).to(self.device)
+        n, start = tokens.shape[0], len(cache)
+        end = start + n
+        if end > self.max_len:
+            raise QuickdraftError(f"{self.name}: sequence of {end} tokens exceeds the context of {self.max_len}; "
+                                  "shorten the prompt or max_tokens")
+        cache.reserve(end)
+        keys_all, values_all = cache.keys, cache.values
+        h_q, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        masks: dict[int | None, torch.Tensor] = {}
+        fast = self._cpu_kernels
+        norm = self._norm
+
+        x = F.embedding(tokens, self.embed)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        for index, layer in enumerate(self.layers):
+            if layer.rope not in ropes:
+                cos, sin = self._rope(layer.rope, end)
+                ropes[layer.rope] = (cos[start:end, None], sin[start:end, None])
+            cos, sin = ropes[layer.rope]
+
+            qkv = layer.qkv(norm(x, layer.input_norm))
+            qk = qkv[:, : (h_q + h_kv) * d].view(n, h_q + h_kv, d)  # queries and keys, roped together
+            if layer.qk_norm is not None:
+                qk = norm(qk.contiguous(), layer.qk_norm, gemma_style=True)
+            # rotate_half(x) * sin == roll(x, d/2) * sin_signed (sin with its first half negated): exact.
+            qk = qk * cos + qk.roll(d // 2, -1) * sin
+            keys, values = keys_all[index], values_all[index]
+            keys[:, start:end] = qk[:, h_q:].transpose(0, 1)
+            values[:, start:end] = qkv[:, (h_q + h_kv) * d:].view(n, h_kv, d).transpose(0, 1)
+            if fast is not None:
+                attn = fast.attention(qk, h_q, keys, values, start, layer.sliding_window or 0, self.scale)
+            else:
+                attn = self._attention(qk[:, :h_q], keys[:, :end], values[:, :end], start, layer.sliding_window, masks)
+            attn = layer.o(attn)
+            if layer.post_attn_norm is not None:
+                attn = norm(attn, layer.post_attn_norm)
+            x = x + attn
+
+            gate, up = layer.gate_up(norm(x, layer.pre_mlp_norm)).chunk(2, dim=-1)
+            mlp = layer.down(self.act(gate) * up)
+            if layer.post_mlp_norm is not None:
+                mlp = norm(mlp, layer.post_mlp_norm)
+            x = x + mlp
+
+        cache.record(tokens)
+        self.forwards += 1
+        logits = self.lm_head(norm(x[n - num_logits:].contiguous(), self.final_norm)).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits

@@ -1,0 +1,211 @@
+"""The native runner against the transformers forward, its static cache, its kernels, and the batch
+invariance that keeps greedy speculative output equal to plain output in bf16."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import _sharpen, tiny_gemma3, tiny_llama
+from quickdraft import LLM, SamplingParams
+from quickdraft.cache import SequenceCache
+from quickdraft.errors import QuickdraftError
+from quickdraft.kernels import cpu_linear, pack
+from quickdraft.models.native import Linear, NativeRunner
+from quickdraft.models.runner import HFRunner, make_runner
+
+needs_kernels = pytest.mark.skipif(cpu_linear() is None, reason="quickdraft's CPU kernels need AVX512-BF16")
+
+
+def tiny_llama16(seed=0):
+    """A Llama with head_dim 16, the smallest shape the CPU kernels take."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return _sharpen(LlamaForCausalLM(config).eval())
+
+
+def tiny_gemma16(seed=0):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                              sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                              eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return _sharpen(Gemma3ForCausalLM(config).eval())
+
+
+def tiny_qwen2(seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return _sharpen(Qwen2ForCausalLM(config).eval())  # q/k/v projections with biases
+
+
+BUILDS = {"llama": tiny_llama, "gemma3": tiny_gemma3, "llama16": tiny_llama16, "gemma16": tiny_gemma16,
+          "qwen2": tiny_qwen2}
+
+
+def _vocab(model):
+    return model.config.vocab_size
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_native_logits_match_transformers_in_float32(name):
+    model = BUILDS[name]()
+    native, hf = NativeRunner(model), HFRunner(model)
+    ids = torch.randint(0, _vocab(model), (24,), generator=torch.Generator().manual_seed(1))
+    a_cache, b_cache = native.new_cache(), SequenceCache()
+    # A prompt, then steps of several sizes: every row must match the transformers forward.
+    for lo, hi in ((0, 13), (13, 14), (14, 19), (19, 24)):
+        a = native.forward(a_cache, ids[lo:hi], hi - lo)
+        b = hf.forward(b_cache, ids[lo:hi], hi - lo)
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama16", "gemma16", "qwen2"])
+def test_native_logits_match_transformers_in_bf16(name):
+    model = BUILDS[name]().to(torch.bfloat16)
+    native, hf = NativeRunner(model), HFRunner(model)
+    ids = torch.randint(0, _vocab(model), (20,), generator=torch.Generator().manual_seed(2))
+    a = native.forward(native.new_cache(), ids, 20)
+    b = hf.forward(SequenceCache(), ids, 20)
+    # bf16 keeps 8 bits of mantissa; the two forwards round in different places.
+    scale = b.abs().max()
+    assert (a - b).abs().max() <= 0.05 * scale
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_bf16_verification_rows_equal_single_steps_bitwise(name):
+    model = BUILDS[name]().to(torch.bfloat16)
+    runner = NativeRunner(model)
+    ids = torch.randint(0, _vocab(model), (20,), generator=torch.Generator().manual_seed(3))
+    one_by_one = runner.new_cache()
+    runner.forward(one_by_one, ids[:12], 1)
+    singles = torch.cat([runner.forward(one_by_one, ids[i:i + 1], 1) for i in range(12, 20)])
+    together = runner.new_cache()
+    runner.forward(together, ids[:12], 1)
+    verified = runner.forward(together, ids[12:], 8)
+    assert torch.equal(singles, verified)
+    # Rolling back rejected positions and re-verifying gives the same rows again.
+    together.rollback(15)
+    assert torch.equal(runner.forward(together, ids[15:18], 3), verified[3:6])
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "llama16", "gemma16"])
+@pytest.mark.parametrize("method", ["ngram", "layer_skip", "quantized", "draft_model"])
+def test_bf16_greedy_speculative_equals_plain(name, method):
+    build = BUILDS[name]
+    target = build(seed=0).to(torch.bfloat16)
+    prompt = [5, 9, 3, 7, 5, 9, 3, 1, 2, 5, 9]
+    config = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    if method == "layer_skip":
+        config["num_layers"] = 2
+    if method == "draft_model":
+        config["model"] = build(seed=1).to(torch.bfloat16)
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    plain = LLM(target, speculative_config={"method": "none"}).generate({"prompt_token_ids": prompt}, sp)[0]
+    spec = LLM(target, speculative_config=config).generate({"prompt_token_ids": prompt}, sp)[0]
+    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert spec.metrics.proposed_tokens > 0
+
+
+def test_runner_choice_and_fallback():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    llama = tiny_llama()
+    assert isinstance(LLM(llama).target, NativeRunner)
+    assert isinstance(LLM(llama, runner="hf").target, HFRunner)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=32, n_layer=2, n_head=2, n_positions=64)).eval()
+    assert isinstance(make_runner(gpt2, "gpt2", "auto"), HFRunner)
+    with pytest.raises(QuickdraftError, match="no native runner"):
+        make_runner(gpt2, "gpt2", "native")
+    with pytest.raises(QuickdraftError, match="unknown runner"):
+        LLM(llama, runner="fast")
+    with pytest.raises(QuickdraftError, match="needs the native runner"):
+        LLM(gpt2, speculative_config={"method": "quantized"})
+
+
+def test_layer_skip_and_quantized_drafts_share_what_they_do_not_change():
+    target = tiny_llama16()
+    llm = LLM(target, speculative_config={"method": "layer_skip", "num_layers": 2})
+    draft, full = llm.proposer.runner, llm.target
+    assert draft.num_layers == 2 and full.num_layers == 4
+    assert all(a is b for a, b in zip(draft.layers, full.layers))
+    quantized = full.quantized("int8")
+    assert quantized.embed is full.embed and quantized.weight_bytes < 0.6 * full.weight_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_is_close_to_its_dense_weight(dtype):
+    torch.manual_seed(0)
+    weight = torch.randn(40, 64, dtype=dtype)  # 40 outputs: not a multiple of 16, the kernels pad
+    dense = Linear(weight)
+    q = dense.int8()
+    x = torch.randn(5, 64, dtype=dtype)
+    step = weight.float().abs().amax(1) / 127  # per-output quantization step
+    assert ((q.dense().float() - weight.float()).abs() <= step[:, None] / 2 + 1e-3).all()
+    reference = x.float() @ q.dense().float().T
+    torch.testing.assert_close(q(x).float(), reference, atol=0.05 * reference.abs().max().item(), rtol=0.02)
+    torch.testing.assert_close(dense(x).float(), x.float() @ weight.float().T,
+                               atol=0.02 * reference.abs().max().item(), rtol=0.02)
+
+
+@needs_kernels
+def test_kernel_linear_is_row_invariant_and_exact_in_float32_accumulation():
+    k = cpu_linear()
+    torch.manual_seed(0)
+    for n, d in ((40, 64), (96, 160), (512, 96)):
+        w = torch.randn(n, d, dtype=torch.bfloat16)
+        x = torch.randn(20, d, dtype=torch.bfloat16)
+        packed = pack(w)
+        full = k.linear_bf16(x, packed, True)[:, :n]
+        for m in (1, 2, 7, 16, 17):
+            assert torch.equal(k.linear_bf16(x[:m].contiguous(), packed, True)[:, :n], full[:m])
+        reference = (x.float() @ w.float().T).to(torch.bfloat16).float()
+        torch.testing.assert_close(full.float(), reference, atol=0.02, rtol=0.01)
+        # The AVX-512 path (no AMX) is row-invariant too.
+        plain = k.linear_bf16(x, packed, False)[:, :n]
+        assert torch.equal(k.linear_bf16(x[:3].contiguous(), packed, False)[:, :n], plain[:3])
+        torch.testing.assert_close(plain.float(), reference, atol=0.02, rtol=0.01)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [0, 5])
+def test_kernel_attention_matches_a_float64_reference(window):
+    k = cpu_linear()
+    torch.manual_seed(0)
+    h_q, h_kv, d, cap, start, n = 6, 2, 32, 40, 20, 7
+    keys = torch.randn(h_kv, cap, d, dtype=torch.bfloat16)
+    values = torch.randn(h_kv, cap, d, dtype=torch.bfloat16)
+    q = torch.randn(n, h_q, d, dtype=torch.bfloat16)
+    out = k.attention(q, h_q, keys, values, start, window, 0.2)
+    for i in range(n):
+        pos = start + i
+        lo = max(0, pos - window + 1) if window else 0
+        for h in range(h_q):
+            kv = h // (h_q // h_kv)
+            p = (q[i, h].double() @ keys[kv, lo:pos + 1].double().T * 0.2).softmax(-1)
+            expected = p @ values[kv, lo:pos + 1].double()
+            torch.testing.assert_close(out[i, h * d:(h + 1) * d].double(), expected, atol=0.02, rtol=0.01)
+        single = k.attention(q[i:i + 1], h_q, keys, values, pos, window, 0.2)
+        assert torch.equal(single[0], out[i])
+
+
+@needs_kernels
+def test_kernel_rms_norm_rounds_like_llama_and_gemma():
+    k = cpu_linear()
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    w = torch.randn(64, dtype=torch.bfloat16)
+    llama = w * F.rms_norm(x.float(), (64,), None, 1e-6).to(torch.bfloat16)
+    assert torch.equal(k.rms_norm(x, w, 1e-6, True), llama)
+    wf = torch.randn(64)
+    gemma = (F.rms_norm(x.float(), (64,), None, 1e-6) * wf).to(torch.bfloat16)
+    torch.testing.assert_close(k.rms_norm(x, wf, 1e-6, False).float(), gemma.float(), atol=1e-2, rtol=1e-2)

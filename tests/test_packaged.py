@@ -23,9 +23,9 @@ def plain_outputs(smollm2):
 
 
 @pytest.mark.parametrize("config", [
-    {"method": "ngram", "num_speculative_tokens": 5},
-    {"method": "layer_skip", "num_layers": 24, "num_speculative_tokens": 4},
-    {"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 5},
+    {"method": "ngram", "num_speculative_tokens": 5, "adaptive": False},
+    {"method": "layer_skip", "num_layers": 24, "num_speculative_tokens": 4, "adaptive": False},
+    {"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 5, "adaptive": False},
 ], ids=["ngram", "layers24", "draft_model"])
 def test_greedy_speculative_equals_plain_on_smollm2(smollm2, plain_outputs, config):
     if config["method"] == "layer_skip":
@@ -89,3 +89,37 @@ def test_not_a_gguf_and_unknown_models(tmp_path):
         LLM("no-such-model")
     with pytest.raises(QuickdraftError, match="does not exist"):
         LLM(str(tmp_path / "missing.gguf"))
+
+
+@pytest.mark.parametrize("fixture", ["smollm2", "gemma3"])
+def test_native_runner_matches_transformers_on_packaged_models(fixture, request):
+    import torch
+
+    from quickdraft.cache import SequenceCache
+    from quickdraft.models.native import NativeRunner
+    from quickdraft.models.runner import HFRunner
+
+    llm = request.getfixturevalue(fixture)
+    assert isinstance(llm.target, NativeRunner)
+    ids = torch.tensor(llm.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"])
+    native = llm.target.forward(llm.target.new_cache(), ids, len(ids))
+    reference = HFRunner(llm.target.model).forward(SequenceCache(), ids, len(ids))
+    torch.testing.assert_close(native, reference, atol=2e-3, rtol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16():
+    return LLM("smollm2-135m", dtype="bfloat16", device="cpu")
+
+
+@pytest.mark.parametrize("method", ["ngram", "quantized"])
+def test_bf16_greedy_speculative_equals_plain_on_smollm2(smollm2_bf16, method):
+    sp = SamplingParams(temperature=0, max_tokens=48)
+    llm = LLM(smollm2_bf16.target.model, tokenizer=smollm2_bf16.tokenizer,
+              speculative_config={"method": method, "num_speculative_tokens": 6, "adaptive": False})
+    for chat in CHATS:
+        messages = [{"role": "user", "content": chat}]
+        plain = smollm2_bf16.chat(messages, sp)[0].outputs[0]
+        spec = llm.chat(messages, sp)[0]
+        assert spec.outputs[0].token_ids == plain.token_ids, chat
+        assert spec.metrics.proposed_tokens > 0

@@ -9,7 +9,12 @@ from typing import Sequence
 
 import torch
 
-NEAR_TIE_RELATIVE_GAP = 1e-3
+NEAR_TIE_RELATIVE_GAP = 1e-3  # float32; in bf16/fp16 a few units of the last place (see near_tie_gap)
+
+
+def near_tie_gap(dtype: torch.dtype) -> float:
+    """The relative top-2 gap under which two forwards that round differently may disagree."""
+    return NEAR_TIE_RELATIVE_GAP if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
 
 
 def first_divergence(turns: Sequence[tuple[list[int], list[int]]], reference: Sequence[tuple[list[int], list[int]]]):
@@ -41,7 +46,7 @@ def explain(model, prefix: list[int], token: int | None, ref_token: int | None) 
         "top2_tokens": [t1, t2], "top2_logits": [v1, v2], "top2_gap": gap, "top2_relative_gap": relative,
         "method_token": token, "method_token_logit": logit(token),
         "reference_token": ref_token, "reference_token_logit": logit(ref_token),
-        "near_tie": relative < NEAR_TIE_RELATIVE_GAP and {token, ref_token} <= {t1, t2},
+        "near_tie": relative < near_tie_gap(next(model.parameters()).dtype) and {token, ref_token} <= {t1, t2},
     }
 
 

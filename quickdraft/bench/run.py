@@ -194,8 +194,12 @@ def _greedy_check(runners, results, target) -> None:
     for runner in runners:
         if runner.label == "none":
             continue
-        note = ("llama.cpp runs the GGUF's quantized weights, not the dequantized float model: its tokens need not "
-                "match") if runner.spec.kind.startswith("llamacpp") else None
+        note = None
+        if runner.spec.kind.startswith("llamacpp"):
+            note = "llama.cpp runs the GGUF's quantized weights, not the dequantized float model: its tokens need not match"
+        elif runner.spec.kind.startswith("hf") and target.dtype != torch.float32:
+            note = (f"transformers' {str(target.dtype).removeprefix('torch.')} forward rounds differently from "
+                    "quickdraft's runner: its tokens need not match")
         for mine, ref in zip(results[runner.label], reference):
             mine.divergence = greedy.check(target.model, [(t.prompt_ids, t.generation.token_ids) for t in mine.turns],
                                            [(t.prompt_ids, t.generation.token_ids) for t in ref.turns], note)

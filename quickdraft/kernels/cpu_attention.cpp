@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -119,4 +120,81 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
     }
   });
   return y;
+}
+
+// One layer's queries and keys after their projection: optional per-head RMSNorm (Gemma 3, Qwen3; weight
+// float32 [Hq + Hkv, d]), rotary embedding (cos, sin [n, d] bf16, sin's first half negated so that
+// rotate_half(x) * sin == roll(x, d/2) * sin), keys and values written to the caches at start .. start+n-1.
+// qkv: [n, (Hq + 2 Hkv) d] contiguous. Returns the roped queries [n, Hq, d].
+torch::Tensor rope_and_cache(const torch::Tensor& qkv, int64_t num_q_heads, const torch::Tensor& qk_norm,
+                             double eps, const torch::Tensor& cos, const torch::Tensor& sin,
+                             torch::Tensor& keys, torch::Tensor& values, int64_t start) {
+  TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kBFloat16, "rope_and_cache: contiguous bf16 qkv");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "rope_and_cache: contiguous caches");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "rope_and_cache: contiguous cos/sin");
+  const int64_t n = qkv.size(0), h_kv = keys.size(0), cap = keys.size(1), d = keys.size(2);
+  const int64_t heads = num_q_heads + h_kv, half = d / 2;
+  TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * h_kv) * d && d % 2 == 0 && start + n <= cap,
+              "rope_and_cache: bad shapes");
+  const bool norm = qk_norm.defined() && qk_norm.numel() > 0;
+  auto q = torch::empty({n, num_q_heads, d}, qkv.options());
+  const auto* src = qkv.data_ptr<c10::BFloat16>();
+  const auto* cp = cos.data_ptr<c10::BFloat16>();
+  const auto* sp = sin.data_ptr<c10::BFloat16>();
+  const float* wp = norm ? qk_norm.data_ptr<float>() : nullptr;
+  auto* qp = q.data_ptr<c10::BFloat16>();
+  auto* kp = keys.data_ptr<c10::BFloat16>();
+  auto* vp = values.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, n * (heads + h_kv), 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(d);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / (heads + h_kv), h = task % (heads + h_kv);
+      const c10::BFloat16* row = src + i * (heads + h_kv) * d + h * d;
+      if (h >= heads) {  // a value head: copied to the cache as is
+        std::memcpy(vp + ((h - heads) * cap + start + i) * d, row, d * sizeof(c10::BFloat16));
+        continue;
+      }
+      for (int64_t c = 0; c < d; ++c) x[c] = static_cast<float>(row[c]);
+      if (norm) {
+        float ss = 0.f;
+        for (int64_t c = 0; c < d; ++c) ss += x[c] * x[c];
+        const float inv = 1.f / std::sqrt(ss / d + static_cast<float>(eps));
+        // Rounded to bf16 after the weight, as the model's norm does before rope.
+        for (int64_t c = 0; c < d; ++c) x[c] = static_cast<float>(c10::BFloat16(x[c] * inv * wp[h * d + c]));
+      }
+      c10::BFloat16* dst = h < num_q_heads ? qp + (i * num_q_heads + h) * d
+                                           : kp + ((h - num_q_heads) * cap + start + i) * d;
+      const c10::BFloat16* cr = cp + i * d;
+      const c10::BFloat16* sr = sp + i * d;
+      for (int64_t c = 0; c < d; ++c) {
+        const float rotated = x[c < half ? c + half : c - half];
+        dst[c] = c10::BFloat16(x[c] * static_cast<float>(cr[c]) + rotated * static_cast<float>(sr[c]));
+      }
+    }
+  });
+  return q;
+}
+
+// act(gate) * up for gate_up [n, 2F] (gate first): SiLU (Llama) or tanh-approximated GELU (Gemma).
+torch::Tensor gated_activation(const torch::Tensor& gate_up, bool gelu_tanh) {
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.scalar_type() == at::kBFloat16, "gated_activation: contiguous bf16");
+  const int64_t n = gate_up.size(0), f = gate_up.size(1) / 2;
+  auto out = torch::empty({n, f}, gate_up.options());
+  const auto* src = gate_up.data_ptr<c10::BFloat16>();
+  auto* dst = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, n * f, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t i = idx / f, c = idx % f;
+      const float g = static_cast<float>(src[i * 2 * f + c]), u = static_cast<float>(src[i * 2 * f + f + c]);
+      float a;
+      if (gelu_tanh) {
+        a = 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+      } else {
+        a = g / (1.f + std::exp(-g));
+      }
+      // act(gate) is rounded to bf16 before the product, as the model computes it.
+      dst[idx] = c10::BFloat16(static_cast<float>(c10::BFloat16(a)) * u);
+    }
+  });
+  return out;
 }

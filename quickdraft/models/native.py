@@ -228,6 +228,11 @@ class NativeRunner:
         if (self.device.type == "cpu" and self.dtype == torch.bfloat16 and self.head_dim % 16 == 0
                 and config.hidden_size % 16 == 0):
             self._cpu_kernels = kernels.cpu_linear()
+        self._no_tensor = torch.empty(0)
+        activation = getattr(config, "hidden_activation", None) or config.hidden_act
+        # The fused kernel knows SiLU (False) and tanh-approximated GELU (True); other activations use torch.
+        self._fused_activation = None if self._cpu_kernels is None else \
+            {"silu": False, "swish": False, "gelu_pytorch_tanh": True}.get(activation)
         norm = (lambda m: (1.0 + m.weight.detach().float())) if gemma else (lambda m: m.weight.detach())
 
         layer_types = getattr(config, "layer_types", None)
@@ -371,29 +376,36 @@ class NativeRunner:
         for index, layer in enumerate(self.layers):
             if layer.rope not in ropes:
                 cos, sin = self._rope(layer.rope, end)
-                ropes[layer.rope] = (cos[start:end, None], sin[start:end, None])
-            cos, sin = ropes[layer.rope]
+                ropes[layer.rope] = (cos[start:end], sin[start:end])
+            cos_rows, sin_rows = ropes[layer.rope]
 
             qkv = layer.qkv(norm(x, layer.input_norm))
-            qk = qkv[:, : (h_q + h_kv) * d].view(n, h_q + h_kv, d)  # queries and keys, roped together
-            if layer.qk_norm is not None:
-                qk = norm(qk.contiguous(), layer.qk_norm, gemma_style=True)
-            # rotate_half(x) * sin == roll(x, d/2) * sin_signed (sin with its first half negated): exact.
-            qk = qk * cos + qk.roll(d // 2, -1) * sin
             keys, values = keys_all[index], values_all[index]
-            keys[:, start:end] = qk[:, h_q:].transpose(0, 1)
-            values[:, start:end] = qkv[:, (h_q + h_kv) * d:].view(n, h_kv, d).transpose(0, 1)
             if fast is not None:
-                attn = fast.attention(qk, h_q, keys, values, start, layer.sliding_window or 0, self.scale)
+                q = fast.rope_and_cache(qkv, h_q, self._no_tensor if layer.qk_norm is None else layer.qk_norm,
+                                        self.eps, cos_rows, sin_rows, keys, values, start)
+                attn = fast.attention(q, h_q, keys, values, start, layer.sliding_window or 0, self.scale)
             else:
-                attn = self._attention(qk[:, :h_q], keys[:, :end], values[:, :end], start, layer.sliding_window, masks)
+                qk = qkv[:, : (h_q + h_kv) * d].view(n, h_q + h_kv, d)  # queries and keys, roped together
+                if layer.qk_norm is not None:
+                    qk = norm(qk.contiguous(), layer.qk_norm, gemma_style=True)
+                # rotate_half(x) * sin == roll(x, d/2) * sin_signed (sin with its first half negated): exact.
+                qk = qk * cos_rows[:, None] + qk.roll(d // 2, -1) * sin_rows[:, None]
+                keys[:, start:end] = qk[:, h_q:].transpose(0, 1)
+                values[:, start:end] = qkv[:, (h_q + h_kv) * d:].view(n, h_kv, d).transpose(0, 1)
+                attn = self._attention(qk[:, :h_q], keys[:, :end], values[:, :end], start, layer.sliding_window,
+                                       masks)
             attn = layer.o(attn)
             if layer.post_attn_norm is not None:
                 attn = norm(attn, layer.post_attn_norm)
             x = x + attn
 
-            gate, up = layer.gate_up(norm(x, layer.pre_mlp_norm)).chunk(2, dim=-1)
-            mlp = layer.down(self.act(gate) * up)
+            gate_up = layer.gate_up(norm(x, layer.pre_mlp_norm))
+            if self._fused_activation is not None:
+                mlp = layer.down(fast.gated_activation(gate_up, self._fused_activation))
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                mlp = layer.down(self.act(gate) * up)
             if layer.post_mlp_norm is not None:
                 mlp = norm(mlp, layer.post_mlp_norm)
             x = x + mlp

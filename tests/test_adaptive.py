@@ -1,0 +1,56 @@
+"""Adaptive K: the cost model, the acceptance estimate, the choice, and the engine using them."""
+
+from conftest import tiny_llama
+from quickdraft import LLM, SamplingParams
+from quickdraft.adaptive import AcceptanceStats, StepCosts, choose_k
+
+
+def test_step_costs_interpolate_and_extrapolate():
+    costs = StepCosts(8)
+    assert costs.estimate(3) is None
+    costs.record(0, 10.0)
+    assert costs.estimate(0) == 10.0 and costs.estimate(4) > 10.0  # one point: the prior slope
+    costs.record(4, 14.0)
+    assert abs(costs.estimate(2) - 12.0) < 1e-9 and abs(costs.estimate(8) - 18.0) < 1e-9
+    costs.record(4, 24.0)  # a moving average, not the last value
+    assert 14.0 < costs.estimate(4) < 24.0
+
+
+def test_acceptance_counts_positions_reached():
+    stats = AcceptanceStats()
+    assert abs(stats.expected_tokens(0) - 1.0) < 1e-12
+    for _ in range(50):
+        stats.update(proposed=4, accepted=4)
+    assert stats.rate(0) > 0.95 and stats.expected_tokens(4) > 4.5
+    for _ in range(50):
+        stats.update(proposed=4, accepted=0)  # only position 0 was judged
+    assert stats.rate(0) < 0.1
+    assert stats.rate(3) > 0.5  # never reached since: back toward the prior, not down to 0
+
+
+def test_choose_k_follows_acceptance_and_cost():
+    costs = StepCosts(6)
+    for k in range(7):
+        costs.record(k, 10.0 + 0.2 * k)  # verifying is cheap, as in bf16 on AMX
+    good, bad = AcceptanceStats(), AcceptanceStats()
+    for _ in range(40):
+        good.update(6, 6)
+        bad.update(6, 0)
+    assert choose_k(good, costs, 6) == 6
+    expensive = StepCosts(6)
+    for k in range(7):
+        expensive.record(k, 10.0 + 8.0 * k)  # each draft token costs most of a target forward
+    assert choose_k(bad, expensive, 6) == 0
+    assert choose_k(AcceptanceStats(), StepCosts(6), 6) == 6  # nothing measured yet: try the largest K
+
+
+def test_engine_drops_to_plain_decoding_when_drafts_never_match():
+    target = tiny_llama(seed=0)
+    llm = LLM(target, speculative_config={"method": "draft_model", "model": tiny_llama(seed=9),
+                                          "num_speculative_tokens": 4})
+    for k in range(5):  # a draft step costs like a target step here, and the draft is a different model
+        llm.engine.step_costs.record(k, 1.0 + 1.0 * k)
+    out = llm.generate({"prompt_token_ids": [3, 1, 4, 1, 5]}, SamplingParams(temperature=0, max_tokens=60))[0]
+    m = out.metrics
+    # Some steps still probe, as the estimates decay toward the prior, but most are plain.
+    assert m.target_forwards > 0 and m.proposed_tokens < 4 * m.target_forwards / 2

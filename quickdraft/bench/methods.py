@@ -24,7 +24,8 @@ from quickdraft.models.runner import HFRunner
 from quickdraft.params import SamplingParams
 
 REFERENCES = ("none", "hf", "llamacpp")  # the baselines speedups are measured against
-LLAMA_CPP_INSTALL = "pip install 'quickdraft[bench]' (it compiles llama.cpp: several minutes)"
+LLAMA_CPP_INSTALL = ("pip install 'quickdraft[bench]' (it compiles llama.cpp: several minutes; on CPUs with AMX set "
+                     "CMAKE_ARGS as pyproject.toml says, or llama.cpp dies of SIGILL)")
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,7 @@ class TransformersRunner(Runner):
 class LlamaCppRunner(Runner):
     """llama-cpp-python on the target's GGUF file (its quantized weights), plain or with prompt lookup."""
 
-    N_CTX = 4096
+    N_CTX = 4608  # the longest dev-set prompts (~4K tokens) + new tokens + drafts; llama.cpp keeps logits for all of it with a draft
 
     def __init__(self, spec: MethodSpec, k: int | None, label: str, target: Target):
         super().__init__(spec, k, label)
@@ -236,14 +237,17 @@ class LlamaCppRunner(Runner):
                                   f"'{target.name}' is not a GGUF (use an alias or a .gguf path)")
         draft = LlamaPromptLookupDecoding(num_pred_tokens=k) if spec.kind == "llamacpp-lookup" else None
         threads = torch.get_num_threads()
+        # With a draft, llama-cpp-python keeps every position's logits but sizes that buffer by logits_all:
+        # without logits_all=True it holds n_batch rows and a prompt longer than 512 tokens crashes it.
         self.llama = Llama(model_path=str(gguf), n_ctx=self.N_CTX, n_threads=threads, n_threads_batch=threads,
-                           draft_model=draft, verbose=False)
+                           draft_model=draft, logits_all=draft is not None, verbose=False)
         self.eos = set(target.eos_token_ids) | {self.llama.token_eos()}
 
     def generate(self, prompt_ids, max_new_tokens, temperature, seed) -> Generation:
-        if len(prompt_ids) + max_new_tokens > self.N_CTX:
+        # Prompt lookup evaluates up to K drafts past the last kept token: leave room for them.
+        if len(prompt_ids) + max_new_tokens + (self.k or 0) + 1 > self.N_CTX:
             raise QuickdraftError(f"{self.label}: prompt of {len(prompt_ids)} tokens plus {max_new_tokens} new "
-                                  f"tokens exceed llama.cpp's context of {self.N_CTX}")
+                                  f"tokens (and {self.k or 0} drafts) exceed llama.cpp's context of {self.N_CTX}")
         if temperature > 0:
             sampling = dict(temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0)
             self.llama.set_seed(seed)

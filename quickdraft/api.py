@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence as Seq

@@ -40,8 +40,12 @@ class SequenceCache:
             raise ValueError(f"cannot roll back a cache of {len(ids)} positions to {length}")
         removed = len(ids) - length
         if removed:
-            self.kv.crop(-removed)
+            self._drop_kv(removed)
             del ids[length:]
+
+    def _drop_kv(self, count: int) -> None:
+        """Forget the keys and values of the last `count` positions."""
+        self.kv.crop(-count)
 
     def sync(self, history: list[int]) -> int:
         """Roll back to the longest common prefix of the cached tokens and `history`; returns its length.

@@ -15,7 +15,6 @@ plain greedy output (tests/test_native.py checks this; float32 matmuls on CPU do
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -149,7 +148,8 @@ def _single(linear: nn.Linear) -> Linear:
 
 class StaticSequenceCache(SequenceCache):
     """Keys and values in preallocated tensors [layers, kv_heads, capacity, head_dim], position i at index i.
-    Rolling back only shortens the token list: later writes overwrite the rejected positions."""
+    Rolling back only shortens the token list (SequenceCache.rollback): later writes overwrite the rejected
+    positions."""
 
     def __init__(self, runner: "NativeRunner"):
         super().__init__()
@@ -176,11 +176,8 @@ class StaticSequenceCache(SequenceCache):
             values[:, :, :used] = self.values[:, :, :used]
         self.keys, self.values = keys, values
 
-    def rollback(self, length: int) -> None:
-        ids = self.token_ids
-        if length < 0 or length > len(ids):
-            raise ValueError(f"cannot roll back a cache of {len(ids)} positions to {length}")
-        del ids[length:]
+    def _drop_kv(self, count: int) -> None:
+        pass  # positions past the length are overwritten by the next writes
 
 
 # --- the runner -----------------------------------------------------------------------------------------------

@@ -182,11 +182,12 @@ def test_kernel_linear_is_row_invariant_and_exact_in_float32_accumulation():
 def test_kernel_attention_matches_a_float64_reference(window):
     k = cpu_linear()
     torch.manual_seed(0)
-    h_q, h_kv, d, cap, start, n = 6, 2, 32, 40, 20, 7
+    h_q, h_kv, d, cap, start, n = 6, 2, 32, 48, 20, 7
     keys = torch.randn(h_kv, cap, d, dtype=torch.bfloat16)
     values = torch.randn(h_kv, cap, d, dtype=torch.bfloat16)
     q = torch.randn(n, h_q, d, dtype=torch.bfloat16)
-    out = k.attention(q, h_q, keys, values, start, window, 0.2)
+    packed = torch.stack([pack(head) for head in keys])  # the cache layout: each head's keys packed like a weight
+    out = k.attention(q, h_q, packed, values, start, window, 0.2)
     for i in range(n):
         pos = start + i
         lo = max(0, pos - window + 1) if window else 0
@@ -195,7 +196,7 @@ def test_kernel_attention_matches_a_float64_reference(window):
             p = (q[i, h].double() @ keys[kv, lo:pos + 1].double().T * 0.2).softmax(-1)
             expected = p @ values[kv, lo:pos + 1].double()
             torch.testing.assert_close(out[i, h * d:(h + 1) * d].double(), expected, atol=0.02, rtol=0.01)
-        single = k.attention(q[i:i + 1], h_q, keys, values, pos, window, 0.2)
+        single = k.attention(q[i:i + 1], h_q, packed, values, pos, window, 0.2)
         assert torch.equal(single[0], out[i])
 
 
@@ -209,3 +210,51 @@ def test_kernel_rms_norm_rounds_like_llama_and_gemma():
     wf = torch.randn(64)
     gemma = (F.rms_norm(x.float(), (64,), None, 1e-6) * wf).to(torch.bfloat16)
     torch.testing.assert_close(k.rms_norm(x, wf, 1e-6, False).float(), gemma.float(), atol=1e-2, rtol=1e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("gelu", [False, True])
+def test_kernel_gated_activation_matches_torch_and_is_row_invariant(gelu):
+    k = cpu_linear()
+    torch.manual_seed(0)
+    gate_up = (torch.randn(9, 2 * 40) * 4).to(torch.bfloat16)  # 40 features: a masked last chunk of 16
+    out = k.gated_activation(gate_up, gelu)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+    torch.testing.assert_close(out.float(), (act * up).float(), atol=0.02, rtol=0.02)
+    for m in (1, 4):
+        assert torch.equal(k.gated_activation(gate_up[:m].contiguous(), gelu), out[:m])
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["llama16", "gemma16", "qwen2"])
+def test_cpp_decoder_loop_equals_the_python_loop_bitwise(name):
+    runner = NativeRunner(BUILDS[name]().to(torch.bfloat16))
+    assert runner._native_decoder() is not None
+    ids = torch.randint(0, _vocab(runner.model), (30,), generator=torch.Generator().manual_seed(1))
+    for view in (runner, runner.quantized("int8"), runner.truncated(1)):
+        in_cpp, in_python = view.new_cache(), view.new_cache()
+        for chunk in (ids[:20], ids[20:21], ids[21:30]):  # a prompt, a step, a verification
+            a = view.forward(in_cpp, chunk, len(chunk))
+            b = view.forward(in_python, chunk, len(chunk), use_decoder=False)
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_static_cache_keeps_its_contents_when_it_grows(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    runner = NativeRunner(LlamaForCausalLM(config).eval().to(dtype))
+    ids = torch.randint(0, 48, (300,), generator=torch.Generator().manual_seed(2))
+    grown, reserved = runner.new_cache(), runner.new_cache()
+    reserved.reserve(300)
+    capacity = reserved.capacity
+    runner.forward(grown, ids[:250], 1)
+    runner.forward(reserved, ids[:250], 1)
+    assert grown.capacity < 300
+    a, b = runner.forward(grown, ids[250:], 50), runner.forward(reserved, ids[250:], 50)
+    assert grown.capacity >= 300 and reserved.capacity == capacity
+    assert torch.equal(a, b)

@@ -1,10 +1,15 @@
-// Decoding-step attention and RMSNorm for x86 CPUs with AVX512-BF16, bf16 in and out, float32 inside.
+// Decoding-step attention, RMSNorm, rotary embedding and gated activation for x86 CPUs with AVX512-BF16,
+// bf16 in and out, float32 inside.
 //
 // Why: a decoding step attends a handful of queries to the cache; torch's batched matmuls cost tens of
-// microseconds each in setup there, twice per layer. Here every query row is computed on its own, over
-// exactly the keys it may see (causal, and a sliding window where the layer has one), in a fixed order:
-// its result does not depend on how many queries share the call, so verification of K+1 tokens gives the
-// same numbers as K+1 single-token steps. Scores and probabilities stay in float32.
+// microseconds each in setup there, twice per layer. Here each token's queries are computed on their own,
+// over exactly the keys they may see (causal, and a sliding window where the layer has one), in a fixed
+// order: the result does not depend on how many tokens share the call, so verification of K+1 tokens gives
+// the same numbers as K+1 single-token steps. Scores and probabilities stay in float32.
+//
+// The key cache of a head is packed like a weight of quickdraft.kernels.pack ([cap/16, d/2, 16, 2]: for 16
+// consecutive positions, the pairs of each pair of dimensions): the scores of 16 keys are then 16 lanes of
+// one register, accumulated pair by pair with the BF16 dot-product instruction, without horizontal sums.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -26,59 +31,180 @@ inline __m512 load16_from_pbh(__m256bh v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)v), 16));
 }
 
-inline float dot(const c10::BFloat16* a, const c10::BFloat16* b, int64_t d) {  // d % 16 == 0
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(load16(a + i), load16(b + i), acc);
-  return _mm512_reduce_add_ps(acc);
+// exp of 16 floats (Cephes' expf: range reduction by ln 2 in two parts, a degree-6 polynomial; ~1 ulp).
+// Every lane is computed alike whatever its neighbours hold.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-103.972084045410f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 tail_mask(int64_t remaining) {
+  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
+}
+
+// Scores of MR query rows (bf16, row stride ldq) against key blocks [b0, b1) of one head's packed keys,
+// times scale, into s[m * lds + 16 * (b - b0) + lane].
+template <int MR, int NB>
+inline void score_tile(const c10::BFloat16* q, int64_t ldq, const c10::BFloat16* keys, int64_t half_d, int64_t b,
+                       float scale, float* s, int64_t lds, int64_t b0) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  const int32_t* qp = reinterpret_cast<const int32_t*>(q);
+  const c10::BFloat16* kp = keys + b * half_d * 32;
+  for (int64_t p = 0; p < half_d; ++p) {
+    __m512bh kv[NB];
+    for (int j = 0; j < NB; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(kp + j * half_d * 32 + p * 32);
+    for (int m = 0; m < MR; ++m) {
+      __m512bh qv = (__m512bh)_mm512_set1_epi32(qp[m * (ldq / 2) + p]);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], qv, kv[j]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(s + m * lds + 16 * (b + j - b0), _mm512_mul_ps(acc[m][j], sc));
+}
+
+template <int MR>
+void score_rows(const c10::BFloat16* q, int64_t ldq, const c10::BFloat16* keys, int64_t half_d, int64_t b0,
+                int64_t b1, float scale, float* s, int64_t lds) {
+  int64_t b = b0;
+  for (; b + 4 <= b1; b += 4) score_tile<MR, 4>(q, ldq, keys, half_d, b, scale, s, lds, b0);
+  switch (b1 - b) {
+    case 3: return score_tile<MR, 3>(q, ldq, keys, half_d, b, scale, s, lds, b0);
+    case 2: return score_tile<MR, 2>(q, ldq, keys, half_d, b, scale, s, lds, b0);
+    case 1: return score_tile<MR, 1>(q, ldq, keys, half_d, b, scale, s, lds, b0);
+    default: return;
+  }
+}
+
+void scores(int64_t mr, const c10::BFloat16* q, int64_t ldq, const c10::BFloat16* keys, int64_t half_d, int64_t b0,
+            int64_t b1, float scale, float* s, int64_t lds) {
+  switch (mr) {
+    case 1: return score_rows<1>(q, ldq, keys, half_d, b0, b1, scale, s, lds);
+    case 2: return score_rows<2>(q, ldq, keys, half_d, b0, b1, scale, s, lds);
+    case 3: return score_rows<3>(q, ldq, keys, half_d, b0, b1, scale, s, lds);
+    default: return score_rows<4>(q, ldq, keys, half_d, b0, b1, scale, s, lds);
+  }
+}
+
+// out[m, c0 .. c0 + 16 NC) = sum over keys j in [lo, hi] of p[m][j] v[j] (p already divided by its total), for
+// MR rows that see the same keys.
+template <int MR, int NC>
+inline void weighted_values(const float* p, int64_t ldp, const c10::BFloat16* v, int64_t d, int64_t lo, int64_t hi,
+                            int64_t c0, c10::BFloat16* out, int64_t ldo) {
+  __m512 acc[MR][NC];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_setzero_ps();
+  for (int64_t j = lo; j <= hi; ++j) {
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = load16(v + j * d + c0 + 16 * c);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 w = _mm512_set1_ps(p[m * ldp + j]);
+      for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_fmadd_ps(w, vv[c], acc[m][c]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < NC; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo + c0 + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[m][c]));
+}
+
+template <int MR>
+void weighted_values_rows(const float* p, int64_t ldp, const c10::BFloat16* v, int64_t d, int64_t lo, int64_t hi,
+                          c10::BFloat16* out, int64_t ldo) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= d; c0 += 64) weighted_values<MR, 4>(p, ldp, v, d, lo, hi, c0, out, ldo);
+  switch ((d - c0) / 16) {
+    case 3: return weighted_values<MR, 3>(p, ldp, v, d, lo, hi, c0, out, ldo);
+    case 2: return weighted_values<MR, 2>(p, ldp, v, d, lo, hi, c0, out, ldo);
+    case 1: return weighted_values<MR, 1>(p, ldp, v, d, lo, hi, c0, out, ldo);
+    default: return;
+  }
+}
+
+void weighted(int64_t mr, const float* p, int64_t ldp, const c10::BFloat16* v, int64_t d, int64_t lo, int64_t hi,
+              c10::BFloat16* out, int64_t ldo) {
+  switch (mr) {
+    case 1: return weighted_values_rows<1>(p, ldp, v, d, lo, hi, out, ldo);
+    case 2: return weighted_values_rows<2>(p, ldp, v, d, lo, hi, out, ldo);
+    case 3: return weighted_values_rows<3>(p, ldp, v, d, lo, hi, out, ldo);
+    default: return weighted_values_rows<4>(p, ldp, v, d, lo, hi, out, ldo);
+  }
 }
 
 }  // namespace
 
-// q: [n, >=Hq, d] (row stride q_stride elements, head stride d); keys/values: [Hkv, capacity, d].
-// Query i sits at position start + i and sees keys j in (start + i - window, start + i] (window 0: all).
+// q: [n, >=Hq, d] (row stride q_stride elements, head stride d); keys: [Hkv, cap/16, d/2, 16, 2] (packed, see
+// above); values: [Hkv, cap, d]. Query i sits at position start + i and sees keys j in
+// (start + i - window, start + i] (window 0: all).
 torch::Tensor attention(const torch::Tensor& q, int64_t num_q_heads, const torch::Tensor& keys,
                         const torch::Tensor& values, int64_t start, int64_t window, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
               values.scalar_type() == at::kBFloat16, "attention: bf16 tensors expected");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "attention: q must be [n, H, d] with d contiguous");
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.dim() == 3, "attention: contiguous [Hkv, cap, d] caches");
-  const int64_t n = q.size(0), d = q.size(2), h_kv = keys.size(0), cap = keys.size(1);
-  TORCH_CHECK(d % 16 == 0 && keys.size(2) == d, "attention: head_dim must be a multiple of 16");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.dim() == 5 && values.dim() == 3,
+              "attention: contiguous packed keys [Hkv, cap/16, d/2, 16, 2] and values [Hkv, cap, d]");
+  const int64_t n = q.size(0), d = q.size(2), h_kv = keys.size(0), cap = values.size(1);
+  TORCH_CHECK(d % 16 == 0 && keys.size(2) * 2 == d && keys.size(1) * 16 == cap && values.size(2) == d,
+              "attention: head_dim must be a multiple of 16, keys and values of the same capacity");
   TORCH_CHECK(num_q_heads % h_kv == 0 && start + n <= cap, "attention: bad heads or positions");
-  const int64_t group = num_q_heads / h_kv, q_stride = q.stride(0);
+  const int64_t group = num_q_heads / h_kv, q_stride = q.stride(0), half_d = d / 2;
   auto out = torch::empty({n, num_q_heads * d}, q.options());
   const auto* qp = q.data_ptr<c10::BFloat16>();
   const auto* kp = keys.data_ptr<c10::BFloat16>();
   const auto* vp = values.data_ptr<c10::BFloat16>();
   auto* op = out.data_ptr<c10::BFloat16>();
   const float s = static_cast<float>(scale);
-  at::parallel_for(0, n * num_q_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(d);
+  // A task is one token's queries of one kv head: they see the same keys, and their scores share each load.
+  at::parallel_for(0, n * h_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / num_q_heads, h = task % num_q_heads, kv = h / group;
+      const int64_t i = task / h_kv, kv = task % h_kv;
       const int64_t pos = start + i;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      const c10::BFloat16* qrow = qp + i * q_stride + h * d;
+      const int64_t b0 = lo / 16, b1 = pos / 16 + 1, width = (b1 - b0) * 16;
       const c10::BFloat16* kbase = kp + kv * cap * d;
       const c10::BFloat16* vbase = vp + kv * cap * d;
-      scores.resize(pos - lo + 1);
-      float top = -INFINITY;
-      for (int64_t j = lo; j <= pos; ++j) {
-        const float v = dot(qrow, kbase + j * d, d) * s;
-        scores[j - lo] = v;
-        top = std::max(top, v);
-      }
-      float total = 0.f;
-      for (auto& v : scores) { v = std::exp(v - top); total += v; }
-      const float inv = 1.f / total;
-      for (int64_t c = 0; c < d; c += 16) {
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t j = lo; j <= pos; ++j)
-          a = _mm512_fmadd_ps(_mm512_set1_ps(scores[j - lo]), load16(vbase + j * d + c), a);
-        a = _mm512_mul_ps(a, _mm512_set1_ps(inv));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + i * num_q_heads * d + h * d + c),
-                            (__m256i)_mm512_cvtneps_pbh(a));
+      for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        const int64_t rows = std::min<int64_t>(4, group - g0);
+        const int64_t h0 = kv * group + g0;
+        buffer.resize(rows * width);
+        float* sc = buffer.data();
+        scores(rows, qp + i * q_stride + h0 * d, d, kbase, half_d, b0, b1, s, sc, width);
+        // Softmax over [lo, pos] of each row: 16 lanes at a time from lo, in the same order for any n.
+        const int64_t first = lo - b0 * 16, count = pos - lo + 1;
+        for (int64_t m = 0; m < rows; ++m) {
+          float* row = sc + m * width + first;
+          __m512 top = _mm512_set1_ps(-INFINITY);
+          for (int64_t j = 0; j < count; j += 16)
+            top = _mm512_mask_max_ps(top, tail_mask(count - j), top, _mm512_loadu_ps(row + j));
+          const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+          __m512 total = _mm512_setzero_ps();
+          for (int64_t j = 0; j < count; j += 16) {
+            const __mmask16 mask = tail_mask(count - j);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + j), peak));
+            total = _mm512_mask_add_ps(total, mask, total, e);
+            _mm512_mask_storeu_ps(row + j, mask, e);
+          }
+          const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+          for (int64_t j = 0; j < count; j += 16) {
+            const __mmask16 mask = tail_mask(count - j);
+            _mm512_mask_storeu_ps(row + j, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + j), inv));
+          }
+        }
+        // Probabilities are indexed from b0 * 16; the keys they weight are [lo, pos].
+        weighted(rows, sc - b0 * 16, width, vbase, d, lo, pos, op + i * num_q_heads * d + h0 * d, d);
       }
     }
   });
@@ -124,18 +250,20 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 
 // One layer's queries and keys after their projection: optional per-head RMSNorm (Gemma 3, Qwen3; weight
 // float32 [Hq + Hkv, d]), rotary embedding (cos, sin [n, d] bf16, sin's first half negated so that
-// rotate_half(x) * sin == roll(x, d/2) * sin), keys and values written to the caches at start .. start+n-1.
+// rotate_half(x) * sin == roll(x, d/2) * sin), keys and values written to the caches at start .. start+n-1
+// (keys packed [Hkv, cap/16, d/2, 16, 2], values [Hkv, cap, d]).
 // qkv: [n, (Hq + 2 Hkv) d] contiguous. Returns the roped queries [n, Hq, d].
 torch::Tensor rope_and_cache(const torch::Tensor& qkv, int64_t num_q_heads, const torch::Tensor& qk_norm,
                              double eps, const torch::Tensor& cos, const torch::Tensor& sin,
                              torch::Tensor& keys, torch::Tensor& values, int64_t start) {
   TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kBFloat16, "rope_and_cache: contiguous bf16 qkv");
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "rope_and_cache: contiguous caches");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.dim() == 5 && values.dim() == 3,
+              "rope_and_cache: contiguous caches, keys packed [Hkv, cap/16, d/2, 16, 2], values [Hkv, cap, d]");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "rope_and_cache: contiguous cos/sin");
-  const int64_t n = qkv.size(0), h_kv = keys.size(0), cap = keys.size(1), d = keys.size(2);
+  const int64_t n = qkv.size(0), h_kv = values.size(0), cap = values.size(1), d = values.size(2);
   const int64_t heads = num_q_heads + h_kv, half = d / 2;
-  TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * h_kv) * d && d % 2 == 0 && start + n <= cap,
-              "rope_and_cache: bad shapes");
+  TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * h_kv) * d && d % 2 == 0 && start + n <= cap &&
+              keys.size(1) * 16 == cap && keys.size(2) * 2 == d, "rope_and_cache: bad shapes");
   const bool norm = qk_norm.defined() && qk_norm.numel() > 0;
   auto q = torch::empty({n, num_q_heads, d}, qkv.options());
   const auto* src = qkv.data_ptr<c10::BFloat16>();
@@ -147,6 +275,7 @@ torch::Tensor rope_and_cache(const torch::Tensor& qkv, int64_t num_q_heads, cons
   auto* vp = values.data_ptr<c10::BFloat16>();
   at::parallel_for(0, n * (heads + h_kv), 8, [&](int64_t begin, int64_t end) {
     std::vector<float> x(d);
+    std::vector<c10::BFloat16> roped(d);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / (heads + h_kv), h = task % (heads + h_kv);
       const c10::BFloat16* row = src + i * (heads + h_kv) * d + h * d;
@@ -162,38 +291,52 @@ torch::Tensor rope_and_cache(const torch::Tensor& qkv, int64_t num_q_heads, cons
         // Rounded to bf16 after the weight, as the model's norm does before rope.
         for (int64_t c = 0; c < d; ++c) x[c] = static_cast<float>(c10::BFloat16(x[c] * inv * wp[h * d + c]));
       }
-      c10::BFloat16* dst = h < num_q_heads ? qp + (i * num_q_heads + h) * d
-                                           : kp + ((h - num_q_heads) * cap + start + i) * d;
       const c10::BFloat16* cr = cp + i * d;
       const c10::BFloat16* sr = sp + i * d;
+      c10::BFloat16* dst = h < num_q_heads ? qp + (i * num_q_heads + h) * d : roped.data();
       for (int64_t c = 0; c < d; ++c) {
         const float rotated = x[c < half ? c + half : c - half];
         dst[c] = c10::BFloat16(x[c] * static_cast<float>(cr[c]) + rotated * static_cast<float>(sr[c]));
+      }
+      if (h >= num_q_heads) {  // a key: element c of position p at ((p / 16) * d/2 + c / 2) * 32 + (p % 16) * 2 + c % 2
+        const int64_t p = start + i;
+        c10::BFloat16* block = kp + (h - num_q_heads) * cap * d + (p / 16) * half * 32 + (p % 16) * 2;
+        for (int64_t c = 0; c < d; c += 2) {
+          block[(c / 2) * 32] = roped[c];
+          block[(c / 2) * 32 + 1] = roped[c + 1];
+        }
       }
     }
   });
   return q;
 }
 
-// act(gate) * up for gate_up [n, 2F] (gate first): SiLU (Llama) or tanh-approximated GELU (Gemma).
+// act(gate) * up for gate_up [n, 2F] (gate first): SiLU (Llama) or tanh-approximated GELU (Gemma), 16 lanes
+// at a time (the last chunk of a row masked), each lane computed alike.
 torch::Tensor gated_activation(const torch::Tensor& gate_up, bool gelu_tanh) {
-  TORCH_CHECK(gate_up.is_contiguous() && gate_up.scalar_type() == at::kBFloat16, "gated_activation: contiguous bf16");
-  const int64_t n = gate_up.size(0), f = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2,
+              "gated_activation: contiguous 2-d bf16");
+  const int64_t n = gate_up.size(0), f = gate_up.size(1) / 2, chunks = (f + 15) / 16;
   auto out = torch::empty({n, f}, gate_up.options());
   const auto* src = gate_up.data_ptr<c10::BFloat16>();
   auto* dst = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, n * f, 4096, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n * chunks, 64, [&](int64_t begin, int64_t end) {
+    const __m512 one = _mm512_set1_ps(1.f);
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t i = idx / f, c = idx % f;
-      const float g = static_cast<float>(src[i * 2 * f + c]), u = static_cast<float>(src[i * 2 * f + f + c]);
-      float a;
+      const int64_t i = idx / chunks, c = (idx % chunks) * 16;
+      const __mmask16 mask = tail_mask(f - c);
+      const __m512 g = load16_from_pbh((__m256bh)_mm256_maskz_loadu_epi16(mask, src + i * 2 * f + c));
+      const __m512 u = load16_from_pbh((__m256bh)_mm256_maskz_loadu_epi16(mask, src + i * 2 * f + f + c));
+      // SiLU: g / (1 + exp(-g)). tanh GELU: 0.5 g (1 + tanh(y)) = g / (1 + exp(-2y)), y = sqrt(2/pi)(g + 0.044715 g^3).
+      __m512 t = g;
       if (gelu_tanh) {
-        a = 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-      } else {
-        a = g / (1.f + std::exp(-g));
+        const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+        t = _mm512_mul_ps(_mm512_set1_ps(2.f * 0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), cube, g));
       }
+      const __m512 a = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), t))));
       // act(gate) is rounded to bf16 before the product, as the model computes it.
-      dst[idx] = c10::BFloat16(static_cast<float>(c10::BFloat16(a)) * u);
+      const __m512 prod = _mm512_mul_ps(load16_from_pbh(_mm512_cvtneps_pbh(a)), u);
+      _mm256_mask_storeu_epi16(dst + i * f + c, mask, (__m256i)_mm512_cvtneps_pbh(prod));
     }
   });
   return out;

@@ -208,21 +208,4 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& w, const 
   return run(x, w.data_ptr<int8_t>(), w.size(0) * 16, scales.data_ptr<float>());
 }
 
-// cpu_attention.cpp
-torch::Tensor attention(const torch::Tensor& q, int64_t num_q_heads, const torch::Tensor& keys,
-                        const torch::Tensor& values, int64_t start, int64_t window, double scale);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool llama_style);
-torch::Tensor rope_and_cache(const torch::Tensor& qkv, int64_t num_q_heads, const torch::Tensor& qk_norm,
-                             double eps, const torch::Tensor& cos, const torch::Tensor& sin,
-                             torch::Tensor& keys, torch::Tensor& values, int64_t start);
-torch::Tensor gated_activation(const torch::Tensor& gate_up, bool gelu_tanh);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attention", &attention, "causal (optionally sliding-window) attention of a decoding step");
-  m.def("rms_norm", &rms_norm, "RMSNorm, Llama or Gemma rounding");
-  m.def("rope_and_cache", &rope_and_cache, "per-head norm, rotary embedding, and the KV cache write of a layer");
-  m.def("gated_activation", &gated_activation, "act(gate) * up (SiLU or tanh GELU)");
-  m.def("linear_bf16", &linear_bf16, "y = x w^T, bf16, batch-invariant (AMX tiles when use_amx and K % 32 == 0)");
-  m.def("amx_available", &amx_permitted, "whether this process may use AMX tiles");
-  m.def("linear_int8", &linear_int8, "y = (x w^T) * scales, int8 weights, batch-invariant");
-}
+bool amx_available() { return amx_permitted(); }

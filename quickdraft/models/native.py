@@ -7,10 +7,11 @@ is a change of length; nothing is copied or recomputed.
 
 Why not the transformers forward: per layer it dispatches through dozens of modules, builds masks and
 cache updates in Python, and uses scaled_dot_product_attention, whose CPU kernel splits its work by the
-number of queries. Here attention is two plain matmuls with a float32 softmax, and on CPU in bf16 (oneDNN)
-every matmul computes each row the same way whatever the number of rows. A token's logits are therefore
-bitwise the same whether it is verified alone or among K+1 tokens, and greedy speculative output equals
-plain greedy output (tests/test_native.py checks this; float32 matmuls on CPU do not have that property).
+number of queries. On CPUs with AVX512-BF16, a forward here is one call into quickdraft's C++ layer loop
+(kernels/cpu_decoder.cpp) over kernels that compute every token's row the same way whatever the number of
+tokens: a token's logits are bitwise the same whether it is verified alone or among K+1 tokens, and greedy
+speculative output equals plain greedy output (tests/test_native.py checks this). Elsewhere (other CPUs,
+CUDA, float32) the same loop runs in Python on torch ops, attention as two matmuls with a float32 softmax.
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ class Linear:
             y = y.reshape(*shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
+    def spec(self) -> tuple:
+        """(weight, scales, bias, outputs): what the C++ decoder loop needs of a kernel-packed layer."""
+        return self.weight, self.scales, self.bias, self.out_features
+
     def int8(self) -> "Linear":
         """Symmetric per-output int8 of this weight (a new Linear; this one is unchanged)."""
         w = self.dense().float()
@@ -153,28 +158,36 @@ class StaticSequenceCache(SequenceCache):
 
     def __init__(self, runner: "NativeRunner"):
         super().__init__()
-        self.kv = None
         self._runner = runner
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return 0 if self.values is None else self.values.shape[2]
 
     def reserve(self, length: int) -> None:
         if length <= self.capacity:
             return
         r = self._runner
         capacity = min(max(length, 2 * self.capacity, 256), max(r.max_len, length))
+        capacity += -capacity % 16
         shape = (r.num_layers, r.num_kv_heads, capacity, r.head_dim)
-        keys = torch.empty(shape, dtype=r.dtype, device=r.device)
         values = torch.empty(shape, dtype=r.dtype, device=r.device)
+        if r.packed_keys:  # each head's keys packed like a weight (see kernels/cpu_attention.cpp)
+            keys = torch.empty((r.num_layers, r.num_kv_heads, capacity // 16, r.head_dim // 2, 16, 2),
+                               dtype=r.dtype, device=r.device)
+        else:
+            keys = torch.empty(shape, dtype=r.dtype, device=r.device)
         if self.keys is not None:
             used = len(self)
-            keys[:, :, :used] = self.keys[:, :, :used]
+            filled = -(-used // 16) if r.packed_keys else used  # blocks of 16 positions, or positions
+            keys[:, :, :filled] = self.keys[:, :, :filled]
             values[:, :, :used] = self.values[:, :, :used]
         self.keys, self.values = keys, values
+
+    def _new_kv(self) -> None:
+        return None  # keys and values live in self.keys / self.values
 
     def _drop_kv(self, count: int) -> None:
         pass  # positions past the length are overwritten by the next writes
@@ -226,6 +239,8 @@ class NativeRunner:
                 and config.hidden_size % 16 == 0):
             self._cpu_kernels = kernels.cpu_linear()
         self._no_tensor = torch.empty(0)
+        self.packed_keys = self._cpu_kernels is not None  # the layout the kernels' attention reads
+        self._decoder = None  # the C++ layer loop, built on first use (see _native_decoder)
         activation = getattr(config, "hidden_activation", None) or config.hidden_act
         # The fused kernel knows SiLU (False) and tanh-approximated GELU (True); other activations use torch.
         self._fused_activation = None if self._cpu_kernels is None else \
@@ -288,8 +303,28 @@ class NativeRunner:
     def _copy(self, name: str) -> "NativeRunner":
         view = object.__new__(NativeRunner)
         view.__dict__.update(self.__dict__)
-        view.name, view.forwards = name, 0
+        view.name, view.forwards, view._decoder = name, 0, None
         return view
+
+    def _native_decoder(self):
+        """The C++ loop over this runner's layers (kernels/cpu_decoder.cpp), or None where some layer needs
+        torch: no kernels, an activation the kernels lack, a linear layer the kernels cannot take."""
+        if self._decoder is None:
+            linears = [getattr(layer, name) for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
+            if self._cpu_kernels is None or self._fused_activation is None or any(
+                    linear._kernels is None for linear in linears):
+                self._decoder = False
+            else:
+                decoder = self._cpu_kernels.Decoder(self.num_heads, self.eps, self.scale, self.kind == "gemma3",
+                                                    self._fused_activation)
+                kinds = sorted({layer.rope for layer in self.layers})
+                for layer in self.layers:
+                    decoder.add_layer(*(getattr(layer, name).spec() for name in ("qkv", "o", "gate_up", "down")),
+                                      layer.input_norm, layer.pre_mlp_norm, layer.post_attn_norm,
+                                      layer.post_mlp_norm, layer.qk_norm, layer.sliding_window or 0,
+                                      kinds.index(layer.rope))
+                self._decoder = (decoder, kinds)
+        return self._decoder or None
 
     # --- the interface shared with HFRunner ---
     @property
@@ -349,27 +384,15 @@ class NativeRunner:
         attn = probs.view(h_kv, group * n, end) @ values
         return attn.view(h_kv, group, n, d).permute(2, 0, 1, 3).reshape(n, h_q * d)
 
-    @torch.inference_mode()
-    def forward(self, cache: StaticSequenceCache, tokens: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
-        """Append `tokens` [n] at positions len(cache)... and return the float32 logits of the last
-        `num_logits` inputs, [num_logits, V]."""
-        tokens = tokens.reshape(-1).to(self.device)
-        n, start = tokens.shape[0], len(cache)
-        end = start + n
-        if end > self.max_len:
-            raise QuickdraftError(f"{self.name}: sequence of {end} tokens exceeds the context of {self.max_len}; "
-                                  "shorten the prompt or max_tokens")
-        cache.reserve(end)
+    def _layers(self, x: torch.Tensor, cache: StaticSequenceCache, start: int, end: int) -> torch.Tensor:
+        """The decoder layers in Python: the kernels one by one where they apply, torch ops elsewhere."""
+        n = x.shape[0]
         keys_all, values_all = cache.keys, cache.values
         h_q, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         masks: dict[int | None, torch.Tensor] = {}
         fast = self._cpu_kernels
         norm = self._norm
-
-        x = F.embedding(tokens, self.embed)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
         for index, layer in enumerate(self.layers):
             if layer.rope not in ropes:
                 cos, sin = self._rope(layer.rope, end)
@@ -406,10 +429,36 @@ class NativeRunner:
             if layer.post_mlp_norm is not None:
                 mlp = norm(mlp, layer.post_mlp_norm)
             x = x + mlp
+        return x
+
+    @torch.inference_mode()
+    def forward(self, cache: StaticSequenceCache, tokens: torch.Tensor, num_logits: int = 1,
+                use_decoder: bool = True) -> torch.Tensor:
+        """Append `tokens` [n] at positions len(cache)... and return the float32 logits of the last
+        `num_logits` inputs, [num_logits, V]. use_decoder=False runs the layer loop in Python even where the
+        C++ loop could (the same kernels, so the same bits; for tests)."""
+        tokens = tokens.reshape(-1).to(self.device)
+        n, start = tokens.shape[0], len(cache)
+        end = start + n
+        if end > self.max_len:
+            raise QuickdraftError(f"{self.name}: sequence of {end} tokens exceeds the context of {self.max_len}; "
+                                  "shorten the prompt or max_tokens")
+        cache.reserve(end)
+        x = F.embedding(tokens, self.embed)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        decoder = self._native_decoder() if use_decoder else None
+        if decoder is not None:
+            decoder, kinds = decoder
+            tables = [self._rope(kind, end) for kind in kinds]
+            x = decoder.forward(x, cache.keys, cache.values, start, [cos[start:end] for cos, _ in tables],
+                                [sin[start:end] for _, sin in tables])
+        else:
+            x = self._layers(x, cache, start, end)
 
         cache.record(tokens)
         self.forwards += 1
-        logits = self.lm_head(norm(x[n - num_logits:].contiguous(), self.final_norm)).float()
+        logits = self.lm_head(self._norm(x[n - num_logits:].contiguous(), self.final_norm)).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -1,0 +1,120 @@
+// A whole decoder stack (Llama family, Gemma 3) in one call from Python, on quickdraft's CPU kernels.
+//
+// Why: a layer is a dozen kernels of a few microseconds to a few hundred each; called one by one from
+// Python they cost as much again in interpreter and dispatch time, for every one of a model's layers and
+// every forward. Here the loop over layers runs in C++; the kernels and their numerics are exactly those
+// of the single-kernel entry points below (so the Python loop over them, kept for tests and for other
+// devices, computes the same bits).
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool use_amx);
+torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
+torch::Tensor attention(const torch::Tensor& q, int64_t num_q_heads, const torch::Tensor& keys,
+                        const torch::Tensor& values, int64_t start, int64_t window, double scale);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool llama_style);
+torch::Tensor rope_and_cache(const torch::Tensor& qkv, int64_t num_q_heads, const torch::Tensor& qk_norm,
+                             double eps, const torch::Tensor& cos, const torch::Tensor& sin,
+                             torch::Tensor& keys, torch::Tensor& values, int64_t start);
+torch::Tensor gated_activation(const torch::Tensor& gate_up, bool gelu_tanh);
+
+namespace {
+
+using OptionalTensor = std::optional<torch::Tensor>;
+// A linear layer as Python's quickdraft.models.native.Linear holds it: packed weight, int8 scales or none,
+// bias or none, and the number of real outputs (the packed weight is padded to a multiple of 16).
+using LinearSpec = std::tuple<torch::Tensor, OptionalTensor, OptionalTensor, int64_t>;
+
+struct Linear {
+  torch::Tensor weight, scales, bias;
+  int64_t out = 0;
+
+  explicit Linear(const LinearSpec& spec)
+      : weight(std::get<0>(spec)), scales(std::get<1>(spec).value_or(torch::Tensor())),
+        bias(std::get<2>(spec).value_or(torch::Tensor())), out(std::get<3>(spec)) {}
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    torch::Tensor y = scales.defined() ? linear_int8(x, weight, scales) : linear_bf16(x, weight, true);
+    if (y.size(1) != out) y = y.narrow(1, 0, out).contiguous();
+    if (bias.defined()) y.add_(bias);
+    return y;
+  }
+};
+
+struct Layer {
+  Linear qkv, o, gate_up, down;
+  torch::Tensor input_norm, pre_mlp_norm, post_attn_norm, post_mlp_norm, qk_norm;
+  int64_t window, rope;
+};
+
+class Decoder {
+ public:
+  Decoder(int64_t num_q_heads, double eps, double scale, bool gemma, bool gelu_tanh)
+      : num_q_heads_(num_q_heads), eps_(eps), scale_(scale), gemma_(gemma), gelu_tanh_(gelu_tanh) {}
+
+  // window 0: full attention; rope: index of the cos/sin pair forward receives for this layer.
+  void add_layer(const LinearSpec& qkv, const LinearSpec& o, const LinearSpec& gate_up, const LinearSpec& down,
+                 const torch::Tensor& input_norm, const torch::Tensor& pre_mlp_norm, const OptionalTensor& post_attn_norm,
+                 const OptionalTensor& post_mlp_norm, const OptionalTensor& qk_norm, int64_t window, int64_t rope) {
+    layers_.push_back(Layer{Linear(qkv), Linear(o), Linear(gate_up), Linear(down), input_norm, pre_mlp_norm,
+                            post_attn_norm.value_or(torch::Tensor()), post_mlp_norm.value_or(torch::Tensor()),
+                            qk_norm.value_or(torch::Tensor()), window, rope});
+  }
+
+  // x: [n, hidden] bf16 hidden states of the new tokens (updated in place and returned); keys [layers, Hkv,
+  // cap/16, d/2, 16, 2] and values [layers, Hkv, cap, d] of the sequence; the new tokens sit at start...;
+  // cos[r], sin[r]: the rotary rows of those positions for rope kind r.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor keys, torch::Tensor values, int64_t start,
+                        const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin) const {
+    TORCH_CHECK(x.is_contiguous() && x.dim() == 2, "Decoder.forward: contiguous [n, hidden] x");
+    TORCH_CHECK(keys.size(0) == static_cast<int64_t>(layers_.size()) && values.size(0) == keys.size(0),
+                "Decoder.forward: one cache slice per layer");
+    const bool llama_norm = !gemma_;
+    for (size_t index = 0; index < layers_.size(); ++index) {
+      const Layer& layer = layers_[index];
+      torch::Tensor layer_keys = keys.select(0, index), layer_values = values.select(0, index);
+      torch::Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm, eps_, llama_norm));
+      torch::Tensor q = rope_and_cache(qkv, num_q_heads_, layer.qk_norm, eps_, cos[layer.rope], sin[layer.rope],
+                                       layer_keys, layer_values, start);
+      torch::Tensor attn = layer.o(attention(q, num_q_heads_, layer_keys, layer_values, start, layer.window, scale_));
+      if (layer.post_attn_norm.defined()) attn = rms_norm(attn, layer.post_attn_norm, eps_, false);
+      x.add_(attn);  // the residual sum, rounded to bf16 as the model's `x + attn` is
+      torch::Tensor mlp = layer.down(gated_activation(layer.gate_up(rms_norm(x, layer.pre_mlp_norm, eps_, llama_norm)),
+                                                      gelu_tanh_));
+      if (layer.post_mlp_norm.defined()) mlp = rms_norm(mlp, layer.post_mlp_norm, eps_, false);
+      x.add_(mlp);
+    }
+    return x;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  int64_t num_q_heads_;
+  double eps_, scale_;
+  bool gemma_, gelu_tanh_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+bool amx_available();  // cpu_linear.cpp
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attention", &attention, "causal (optionally sliding-window) attention of a decoding step, packed keys");
+  m.def("rms_norm", &rms_norm, "RMSNorm, Llama or Gemma rounding");
+  m.def("rope_and_cache", &rope_and_cache, "per-head norm, rotary embedding, and the KV cache write of a layer");
+  m.def("gated_activation", &gated_activation, "act(gate) * up (SiLU or tanh GELU)");
+  m.def("linear_bf16", &linear_bf16, "y = x w^T, bf16, batch-invariant (AMX tiles when use_amx and K % 32 == 0)");
+  m.def("amx_available", &amx_available, "whether this process may use AMX tiles");
+  m.def("linear_int8", &linear_int8, "y = (x w^T) * scales, int8 weights, batch-invariant");
+  pybind11::class_<Decoder>(m, "Decoder")
+      .def(pybind11::init<int64_t, double, double, bool, bool>())
+      .def("add_layer", &Decoder::add_layer)
+      .def("forward", &Decoder::forward)
+      .def_property_readonly("num_layers", &Decoder::num_layers);
+}

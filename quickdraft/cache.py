@@ -15,9 +15,13 @@ class SequenceCache:
     def __init__(self) -> None:
         # No config on purpose: every layer, sliding-window ones included, keeps all its positions, so a
         # rollback never needs a key that a sliding window already evicted. Masks still apply the window.
-        self.kv = DynamicCache()
+        self.kv = self._new_kv()
         self._token_ids: list[int] = []
         self._pending: list[torch.Tensor] = []  # device tensors appended but not yet read back to the host
+
+    def _new_kv(self):
+        """The structure that holds the keys and values (transformers' cache here; subclasses keep their own)."""
+        return DynamicCache()
 
     def __len__(self) -> int:
         return len(self._token_ids) + sum(int(t.numel()) for t in self._pending)

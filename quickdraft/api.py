@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from dataclasses import dataclass, field
@@ -175,6 +176,19 @@ class LLM:
         self.engine = Engine(self.target, self.proposer, self.speculative_config.effective_k, eos, max_model_len,
                              adaptive_k=self.speculative_config.adaptive)
         self._seed_rng = random.Random(seed)
+
+    def with_speculative_config(self, speculative_config: dict[str, Any] | SpeculativeConfig) -> "LLM":
+        """An LLM with this one's target (its runner, weights and tokenizer shared, not copied) and another
+        draft method: comparing methods on one model loads and packs it once."""
+        other = copy.copy(self)
+        other.speculative_config = speculative_config if isinstance(speculative_config, SpeculativeConfig) \
+            else SpeculativeConfig.from_dict(dict(speculative_config))
+        other.proposer = other._build_proposer(other.speculative_config)
+        other.engine = Engine(self.target, other.proposer, other.speculative_config.effective_k,
+                              self.engine.eos_token_ids, self.engine.max_len,
+                              adaptive_k=other.speculative_config.adaptive)
+        other._seed_rng = random.Random(self._seed_rng.getrandbits(63))
+        return other
 
     # --- construction -------------------------------------------------------------------------------------
     def _load(self, model: str | nn.Module, tokenizer: Any):

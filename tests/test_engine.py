@@ -178,6 +178,18 @@ def test_layer_skip_shares_the_target_weights():
     assert {p.data_ptr() for p in view.parameters()} <= target_ptrs
 
 
+def test_with_speculative_config_shares_the_target_and_changes_only_the_draft():
+    llm = LLM(tiny_llama(seed=0), speculative_config={"method": "none"})
+    ngram = llm.with_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    assert ngram.target is llm.target and ngram.tokenizer is llm.tokenizer
+    assert llm.speculative_config.method == "none" and ngram.speculative_config.method == "ngram"
+    prompt = {"prompt_token_ids": [5, 9, 3, 7, 5, 9, 3, 1, 2, 5, 9]}
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    plain, spec = llm.generate(prompt, sp)[0], ngram.generate(prompt, sp)[0]
+    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert spec.metrics.proposed_tokens > 0 and plain.metrics.proposed_tokens == 0
+
+
 def test_padded_draft_vocabulary_is_reconciled():
     target = tiny_llama(seed=0, vocab_size=32)
     draft = tiny_llama(seed=1, vocab_size=40)  # as if padded to a multiple of 8 more

@@ -268,10 +268,10 @@ def _label(spec: MethodSpec, k: int, sweep: bool) -> str:
 
 
 def build_runners(specs: Sequence[MethodSpec], ks: Sequence[int], target: Target, reference_llm,
-                  adaptive: bool = True, runner: str = "auto") -> list[Runner]:
-    """One runner per method and K (baselines once); quickdraft methods share one LLM per method. A K sweep
-    runs each K fixed; a single K is the largest K of adaptive decoding unless adaptive is False."""
-    from quickdraft import LLM
+                  adaptive: bool = True) -> list[Runner]:
+    """One runner per method and K (baselines once); quickdraft methods share one LLM per method, all on the
+    reference LLM's target runner. A K sweep runs each K fixed; a single K is the largest K of adaptive
+    decoding unless adaptive is False."""
     from quickdraft.api import check_same_tokenizer
     from quickdraft.cli import draft_config
 
@@ -280,9 +280,8 @@ def build_runners(specs: Sequence[MethodSpec], ks: Sequence[int], target: Target
     for spec in specs:
         values = list(ks) if spec.speculative else [None]
         if spec.is_quickdraft:
-            llm = reference_llm if spec.name == "none" else LLM(
-                target.model, tokenizer=target.tokenizer, speculative_config=draft_config(spec.arg, ks[0]),
-                dtype=target.dtype, device=target.device, runner=runner)
+            llm = reference_llm if spec.name == "none" else \
+                reference_llm.with_speculative_config(draft_config(spec.arg, ks[0]))
             runners += [QuickdraftRunner(spec, k, _label(spec, k, sweep), llm, adaptive and not sweep) for k in values]
         elif spec.kind.startswith("hf"):
             assistant = None

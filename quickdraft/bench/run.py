@@ -116,7 +116,7 @@ def run_bench(cfg: BenchConfig, *, model=None, tokenizer=None, console=None, pro
     status.print(f"loading {cfg.model if model is None else type(model).__name__} ...")
     target, reference = _load_target(cfg, model, tokenizer)
     prompts = dataset.PromptFormat(reference)
-    runners = methods.build_runners(specs, ks, target, reference, cfg.adaptive, cfg.runner)
+    runners = methods.build_runners(specs, ks, target, reference, cfg.adaptive)
     if not prompts.chat:
         status.print(f"[yellow]{target.name} has no chat template: the prompts are the raw turn text[/yellow]")
 

@@ -149,12 +149,14 @@ def test_int8_linear_is_close_to_its_dense_weight(dtype):
     weight = torch.randn(40, 64, dtype=dtype)  # 40 outputs: not a multiple of 16, the kernels pad
     dense = Linear(weight)
     q = dense.int8()
-    x = torch.randn(5, 64, dtype=dtype)
+    x = torch.randn(40, 64, dtype=dtype)  # 40 rows: the kernels' many-row (prefill) path; 5: the decoding path
     step = weight.float().abs().amax(1) / 127  # per-output quantization step
     assert ((q.dense().float() - weight.float()).abs() <= step[:, None] / 2 + 1e-3).all()
     reference = x.float() @ q.dense().float().T
-    torch.testing.assert_close(q(x).float(), reference, atol=0.05 * reference.abs().max().item(), rtol=0.02)
-    torch.testing.assert_close(dense(x).float(), x.float() @ weight.float().T,
+    for rows in (5, 40):
+        torch.testing.assert_close(q(x[:rows]).float(), reference[:rows], atol=0.05 * reference.abs().max().item(),
+                                   rtol=0.02)
+    torch.testing.assert_close(dense(x[:5]).float(), x[:5].float() @ weight.float().T,
                                atol=0.02 * reference.abs().max().item(), rtol=0.02)
 
 

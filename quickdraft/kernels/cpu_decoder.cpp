@@ -111,7 +111,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_activation", &gated_activation, "act(gate) * up (SiLU or tanh GELU)");
   m.def("linear_bf16", &linear_bf16, "y = x w^T, bf16, batch-invariant (AMX tiles when use_amx and K % 32 == 0)");
   m.def("amx_available", &amx_available, "whether this process may use AMX tiles");
-  m.def("linear_int8", &linear_int8, "y = (x w^T) * scales, int8 weights, batch-invariant");
+  m.def("linear_int8", &linear_int8, "y = (x w^T) * scales, int8 weights, batch-invariant below 32 rows (AMX from there)");
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, double, double, bool, bool>())
       .def("add_layer", &Decoder::add_layer)

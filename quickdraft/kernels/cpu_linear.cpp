@@ -83,6 +83,7 @@ void blocks(const c10::BFloat16* x, int64_t ldx, const W* w, int64_t half_k, con
 }
 
 constexpr int64_t kRowsPerTile = 6;
+constexpr int64_t kInt8AmxRows = 32;  // from this many rows, int8 weights are widened once and multiplied on AMX
 
 template <typename W>
 void row_block(int64_t mr, const c10::BFloat16* x, int64_t ldx, const W* w, int64_t half_k, const float* s,
@@ -140,7 +141,7 @@ bool amx_permitted() {
 
 __attribute__((target("amx-tile,amx-bf16")))
 void amx_rows(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* w, c10::BFloat16* y,
-              int64_t N, int64_t begin, int64_t end) {
+              int64_t N, int64_t begin, int64_t end, const float* scales) {
   const int64_t block_stride = K * 16;  // elements per 16-output block: K/2 pairs x 16 outputs x 2
   alignas(64) float out[16 * 64];
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
@@ -166,9 +167,12 @@ void amx_rows(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16*
       if (nb > 2) _tile_stored(2, out + 32, 256);
       if (nb > 3) _tile_stored(3, out + 48, 256);
       for (int m = 0; m < rows; ++m)
-        for (int j = 0; j < nb; ++j)
+        for (int j = 0; j < nb; ++j) {
+          __m512 v = _mm512_load_ps(out + m * 64 + j * 16);
+          if (scales) v = _mm512_mul_ps(v, _mm512_loadu_ps(scales + (b + j) * 16));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + m) * N + (b + j) * 16),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(out + m * 64 + j * 16)));
+                              (__m256i)_mm512_cvtneps_pbh(v));
+        }
     }
   }
   _tile_release();
@@ -194,7 +198,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool u
     const auto* xp = x.data_ptr<c10::BFloat16>();
     const auto* wp = w.data_ptr<c10::BFloat16>();
     auto* yp = y.data_ptr<c10::BFloat16>();
-    at::parallel_for(0, N / 16, 4, [&](int64_t begin, int64_t end) { amx_rows(xp, M, K, wp, yp, N, begin, end); });
+    at::parallel_for(0, N / 16, 4, [&](int64_t begin, int64_t end) { amx_rows(xp, M, K, wp, yp, N, begin, end, nullptr); });
     return y;
   }
   return run(x, w.data_ptr<c10::BFloat16>(), w.size(0) * 16, nullptr);
@@ -205,7 +209,22 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& w, const 
   TORCH_CHECK(w.scalar_type() == at::kChar, "w must be int8");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == w.size(0) * 16,
               "scales must be float32 [N]");
-  return run(x, w.data_ptr<int8_t>(), w.size(0) * 16, scales.data_ptr<float>());
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16;
+  if (M >= kInt8AmxRows && K % 32 == 0 && amx_permitted()) {
+    // Many rows (a draft's prefill): widening int8 per row group is compute-bound; widen the weight once
+    // (int8 is exact in bf16) and multiply on AMX tiles, the scales applied to the float32 sums. Rows here
+    // are not bitwise those of the few-row path: int8 weights serve drafts, whose numerics do not decide
+    // the output.
+    const torch::Tensor wide = w.to(at::kBFloat16);
+    auto y = torch::empty({M, N}, x.options());
+    const auto* xp = x.data_ptr<c10::BFloat16>();
+    const auto* wp = wide.data_ptr<c10::BFloat16>();
+    const float* sp = scales.data_ptr<float>();
+    auto* yp = y.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, N / 16, 4, [&](int64_t begin, int64_t end) { amx_rows(xp, M, K, wp, yp, N, begin, end, sp); });
+    return y;
+  }
+  return run(x, w.data_ptr<int8_t>(), N, scales.data_ptr<float>());
 }
 
 bool amx_available() { return amx_permitted(); }

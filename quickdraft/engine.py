@@ -242,7 +242,7 @@ class Engine:
 
         if self.adaptive_k:
             seq.acceptance.update(k, n)
-            if feed.numel() == k + 1:  # not a prefill: a step like every later one
+            if feed.numel() == k + 1 and not proposal.catch_up:  # a step like every later one: no prefill
                 self.step_costs.record(k, t3 - t0)
         metrics.proposed_tokens += k
         metrics.accepted_tokens += n

@@ -54,3 +54,29 @@ def test_engine_drops_to_plain_decoding_when_drafts_never_match():
     m = out.metrics
     # Some steps still probe, as the estimates decay toward the prior, but most are plain.
     assert m.target_forwards > 0 and m.proposed_tokens < 4 * m.target_forwards / 2
+
+
+def test_a_draft_catching_up_after_plain_steps_is_not_timed_as_the_cost_of_drafting():
+    from quickdraft.engine import Engine
+
+    llm = LLM(tiny_llama(seed=0), speculative_config={"method": "draft_model", "model": tiny_llama(seed=1),
+                                                      "num_speculative_tokens": 2, "adaptive": False})
+    proposer = llm.proposer
+    seq = llm.engine.new_sequence([3, 1, 4, 1, 5], SamplingParams(temperature=0, max_tokens=40))
+    plain = Engine(llm.target, proposer, 0)  # steps that leave the draft behind
+    llm.engine.step(seq)  # the prompt (the target alone)
+    first = proposer.propose(seq, 2)
+    assert first.catch_up == len(seq.token_ids) - 2  # a first proposal reads the whole history
+    llm.engine.step(seq)
+    assert proposer.propose(seq, 2).catch_up == 0  # in step: only what the last step committed
+    for _ in range(4):
+        plain.step(seq)
+    assert proposer.propose(seq, 2).catch_up >= 2  # four plain steps missed: 3 or 4 tokens to read, 2 in step
+
+    adaptive = Engine(llm.target, proposer, 2, adaptive_k=True)
+    for _ in range(6):
+        plain.step(seq)
+    adaptive.step_costs.seconds = [0.01, None, None]
+    before = list(adaptive.step_costs.seconds)
+    adaptive.step(seq)  # max K with costs unmeasured -> drafts, after a catch-up: not recorded
+    assert adaptive.step_costs.seconds == before

@@ -19,10 +19,14 @@ class Proposal:
     tokens: [k] on the target's device (k may be smaller than asked, or 0).
     probs: [k, V_target] processed draft distributions q the tokens were drawn from, or None when the
     draft is deterministic (n-gram lookup, or any draft under greedy decoding): verification then treats q
-    as one-hot at each token, which is exact."""
+    as one-hot at each token, which is exact.
+    catch_up: how many tokens of history a draft model read before drafting beyond the one or two that
+    follow its previous proposal (after plain steps it re-reads what it missed: a one-off cost that adaptive
+    K must not count as the price of drafting)."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    catch_up: int = 0
 
     @staticmethod
     def empty(device: torch.device) -> "Proposal":

@@ -43,6 +43,7 @@ class DraftModelProposer(Proposer):
         if start == len(history):  # everything is cached: recompute the last position for its logits
             start -= 1
             cache.rollback(start)
+        catch_up = max(0, len(history) - start - 2)  # in step, the draft reads the bonus and maybe its last draft
         feed = torch.tensor(history[start:], dtype=torch.long, device=self.runner.device)
         tokens = torch.empty(k, dtype=torch.long, device=seq.device)
         coupled = seq.noise_key is not None  # draw with the target's position noise: no q needed
@@ -61,4 +62,4 @@ class DraftModelProposer(Proposer):
             if probs is not None:
                 probs[i] = processed[0]
             feed = token
-        return Proposal(tokens, probs)
+        return Proposal(tokens, probs, catch_up)

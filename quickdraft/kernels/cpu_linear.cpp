@@ -187,20 +187,24 @@ void check(const torch::Tensor& x, const torch::Tensor& w) {
               "w must be packed [N/16, K/2, 16, 2] (see quickdraft.kernels.pack) with K matching x [M, K]");
 }
 
+// y = (x w^T) * scales (scales may be null) on AMX tiles, w bf16 packed; the caller checked K % 32 == 0 and
+// amx_permitted().
+torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const float* scales) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16;
+  auto y = torch::empty({M, N}, x.options());
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = w.data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, N / 16, 4, [&](int64_t begin, int64_t end) { amx_rows(xp, M, K, wp, yp, N, begin, end, scales); });
+  return y;
+}
+
 }  // namespace
 
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool use_amx) {
   check(x, w);
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "w must be bf16");
-  if (use_amx && x.size(1) % 32 == 0 && amx_permitted()) {
-    const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16;
-    auto y = torch::empty({M, N}, x.options());
-    const auto* xp = x.data_ptr<c10::BFloat16>();
-    const auto* wp = w.data_ptr<c10::BFloat16>();
-    auto* yp = y.data_ptr<c10::BFloat16>();
-    at::parallel_for(0, N / 16, 4, [&](int64_t begin, int64_t end) { amx_rows(xp, M, K, wp, yp, N, begin, end, nullptr); });
-    return y;
-  }
+  if (use_amx && x.size(1) % 32 == 0 && amx_permitted()) return amx_linear(x, w, nullptr);
   return run(x, w.data_ptr<c10::BFloat16>(), w.size(0) * 16, nullptr);
 }
 
@@ -209,22 +213,14 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& w, const 
   TORCH_CHECK(w.scalar_type() == at::kChar, "w must be int8");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == w.size(0) * 16,
               "scales must be float32 [N]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16;
-  if (M >= kInt8AmxRows && K % 32 == 0 && amx_permitted()) {
-    // Many rows (a draft's prefill): widening int8 per row group is compute-bound; widen the weight once
-    // (int8 is exact in bf16) and multiply on AMX tiles, the scales applied to the float32 sums. Rows here
-    // are not bitwise those of the few-row path: int8 weights serve drafts, whose numerics do not decide
-    // the output.
-    const torch::Tensor wide = w.to(at::kBFloat16);
-    auto y = torch::empty({M, N}, x.options());
-    const auto* xp = x.data_ptr<c10::BFloat16>();
-    const auto* wp = wide.data_ptr<c10::BFloat16>();
-    const float* sp = scales.data_ptr<float>();
-    auto* yp = y.data_ptr<c10::BFloat16>();
-    at::parallel_for(0, N / 16, 4, [&](int64_t begin, int64_t end) { amx_rows(xp, M, K, wp, yp, N, begin, end, sp); });
-    return y;
+  if (x.size(0) >= kInt8AmxRows && x.size(1) % 32 == 0 && amx_permitted()) {
+    // Many rows (a draft's prefill): widening int8 for every group of rows is compute-bound; widen the weight
+    // once per call (int8 is exact in bf16) and multiply on AMX tiles, the scales applied to the float32
+    // sums. Rows here are not bitwise those of the few-row path: int8 weights serve drafts, whose numerics
+    // do not decide the output.
+    return amx_linear(x, w.to(at::kBFloat16), scales.data_ptr<float>());
   }
-  return run(x, w.data_ptr<int8_t>(), N, scales.data_ptr<float>());
+  return run(x, w.data_ptr<int8_t>(), w.size(0) * 16, scales.data_ptr<float>());
 }
 
 bool amx_available() { return amx_permitted(); }

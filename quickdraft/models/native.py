@@ -12,6 +12,10 @@ number of queries. On CPUs with AVX512-BF16, a forward here is one call into qui
 tokens: a token's logits are bitwise the same whether it is verified alone or among K+1 tokens, and greedy
 speculative output equals plain greedy output (tests/test_native.py checks this). Elsewhere (other CPUs,
 CUDA, float32) the same loop runs in Python on torch ops, attention as two matmuls with a float32 softmax.
+
+What differs between the families is one row of settings each in models/families.py; config features no row
+describes are refused by supports(), and those models run on the transformers forward
+(tests/test_families.py checks every family and feature against transformers).
 """
 
 from __future__ import annotations
@@ -26,25 +30,37 @@ from torch import nn
 from quickdraft import kernels
 from quickdraft.cache import SequenceCache
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.families import FAMILIES, NO_ROPE, STATIC_ROPE_TYPES, FamilySettings, sliding_window, \
+    unsupported_reason
 
-LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
-GEMMA3_FAMILY = {"gemma3_text", "gemma3"}
-SUPPORTED = LLAMA_FAMILY | GEMMA3_FAMILY
+SUPPORTED = set(FAMILIES)
 
 
 def supports(model: nn.Module) -> str | None:
-    """None when `model` can run natively, else the reason it cannot."""
+    """None when `model` can run natively, else the reason it cannot (a family the runner lacks, or a config
+    feature of the family that it does not implement: see models/families.py)."""
     config = _text_config(model)
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED:
         return f"architecture {kind!r} has no native runner (native: {', '.join(sorted(SUPPORTED))})"
-    if kind == "qwen2" and getattr(config, "use_sliding_window", False):
-        return "qwen2 with use_sliding_window has no native runner"
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return "attention logit softcapping has no native runner"
     inner = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     if not isinstance(getattr(inner, "layers", None), nn.ModuleList):
         return f"{type(model).__name__} has no decoder layer list"
+    reason = unsupported_reason(FAMILIES[kind], config)
+    if reason:
+        return reason
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None:
+        return f"{type(model).__name__} has no rotary embedding module"
+    rope_types = getattr(rotary, "rope_type", "default")
+    rope_types = set(rope_types.values()) if isinstance(rope_types, dict) else {rope_types}
+    if not rope_types <= STATIC_ROPE_TYPES:
+        return (f"rope type {', '.join(sorted(map(str, rope_types - STATIC_ROPE_TYPES)))} has no native runner "
+                f"(native: {', '.join(sorted(STATIC_ROPE_TYPES))})")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for name, buffer in rotary.named_buffers():
+        if name.endswith("inv_freq") and 2 * buffer.numel() != head_dim:  # partial rotary embedding
+            return f"rotary embedding over {2 * buffer.numel()} of {head_dim} head dimensions has no native runner"
     return None
 
 
@@ -215,7 +231,7 @@ class NativeRunner:
         self.name = name
         self.model = model  # kept for its rotary module and for methods that need the transformers model
         config = self.config = _text_config(model)
-        self.kind = "gemma3" if config.model_type in GEMMA3_FAMILY else "llama"
+        family = self.family = FAMILIES[config.model_type]
         inner = getattr(model, getattr(model, "base_model_prefix", "model"))
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
@@ -225,14 +241,15 @@ class NativeRunner:
         self.eps = config.rms_norm_eps
         self.max_len = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
         self.forwards = 0
-        gemma = self.kind == "gemma3"
-        self.scale = (config.query_pre_attn_scalar if gemma else self.head_dim) ** -0.5
+        self.scale = (getattr(config, family.query_scale) if family.query_scale else self.head_dim) ** -0.5
         self.embed = inner.embed_tokens.weight.detach()
         # Gemma multiplies embeddings by sqrt(hidden) rounded to the model's dtype.
-        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=self.dtype).item() if gemma else None
-        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=self.dtype).item()
+                            if family.embed_scale else None)
+        self.final_softcap = getattr(config, "final_logit_softcapping", None) if family.final_softcap else None
         from transformers.activations import ACT2FN
-        self.act: Callable = ACT2FN[getattr(config, "hidden_activation", None) or config.hidden_act]
+        activation = getattr(config, family.activation)
+        self.act: Callable = ACT2FN[activation]
         # quickdraft's CPU kernels for attention and norms (bf16 on AVX512-BF16 CPUs); torch otherwise.
         self._cpu_kernels = None
         if (self.device.type == "cpu" and self.dtype == torch.bfloat16 and self.head_dim % 16 == 0
@@ -241,35 +258,41 @@ class NativeRunner:
         self._no_tensor = torch.empty(0)
         self.packed_keys = self._cpu_kernels is not None  # the layout the kernels' attention reads
         self._decoder = None  # the C++ layer loop, built on first use (see _native_decoder)
-        activation = getattr(config, "hidden_activation", None) or config.hidden_act
         # The fused kernel knows SiLU (False) and tanh-approximated GELU (True); other activations use torch.
         self._fused_activation = None if self._cpu_kernels is None else \
             {"silu": False, "swish": False, "gelu_pytorch_tanh": True}.get(activation)
-        norm = (lambda m: (1.0 + m.weight.detach().float())) if gemma else (lambda m: m.weight.detach())
+        gemma_norms = family.gemma_norms
+        norm = (lambda m: (1.0 + m.weight.detach().float())) if gemma_norms else (lambda m: m.weight.detach())
+        sandwich = family.sandwich_norms
 
-        layer_types = getattr(config, "layer_types", None)
-        window = getattr(config, "sliding_window", None)
-        if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
-            window = None  # Qwen configs carry a window size that only use_sliding_window turns on
         self.layers: list[Layer] = []
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            layer_type = layer_types[i] if layer_types else "full_attention"
-            sliding = window if (layer_type == "sliding_attention" or (not layer_types and window)) else None
             self.layers.append(Layer(
                 qkv=_fuse(attn.q_proj, attn.k_proj, attn.v_proj), o=_single(attn.o_proj),
                 gate_up=_fuse(mlp.gate_proj, mlp.up_proj), down=_single(mlp.down_proj),
                 input_norm=norm(layer.input_layernorm),
-                pre_mlp_norm=norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm),
-                post_attn_norm=norm(layer.post_attention_layernorm) if gemma else None,
-                post_mlp_norm=norm(layer.post_feedforward_layernorm) if gemma else None,
+                pre_mlp_norm=norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
+                post_attn_norm=norm(layer.post_attention_layernorm) if sandwich else None,
+                post_mlp_norm=norm(layer.post_feedforward_layernorm) if sandwich else None,
                 qk_norm=self._qk_norm(attn, norm),
-                sliding_window=sliding, rope=layer_type if gemma else "default"))
+                sliding_window=sliding_window(family, config, i), rope=self._rope_key(family, config, attn, i)))
         self.final_norm = norm(inner.norm)
         self.lm_head = _single(model.get_output_embeddings())
         self.vocab_size = self.lm_head.out_features
         self._rotary = inner.rotary_emb
         self._rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def _rope_key(family: FamilySettings, config, attn: nn.Module, index: int) -> str:
+        """The cos/sin table of layer `index`: none (a no-RoPE layer), its layer type's (Gemma 3), or the model's."""
+        if family.no_rope_layers:  # SmolLM3: no_rope_layers[index] == 0 marks a layer without RoPE
+            flags = getattr(config, "no_rope_layers", None)
+            if not getattr(attn, "use_rope", flags[index] if flags else 1):
+                return NO_ROPE
+        if family.rope_by_layer_type:
+            return config.layer_types[index]
+        return "default"
 
     def _qk_norm(self, attn: nn.Module, norm: Callable) -> torch.Tensor | None:
         if not hasattr(attn, "q_norm"):
@@ -315,7 +338,7 @@ class NativeRunner:
                     linear._kernels is None for linear in linears):
                 self._decoder = False
             else:
-                decoder = self._cpu_kernels.Decoder(self.num_heads, self.eps, self.scale, self.kind == "gemma3",
+                decoder = self._cpu_kernels.Decoder(self.num_heads, self.eps, self.scale, self.family.gemma_norms,
                                                     self._fused_activation)
                 kinds = sorted({layer.rope for layer in self.layers})
                 for layer in self.layers:
@@ -346,9 +369,14 @@ class NativeRunner:
         table = self._rope_tables.get(kind)
         if table is None or table[0].shape[0] < end:
             size = max(end, 2 * (table[0].shape[0] if table else 0), 512)
+            if kind == NO_ROPE:  # x * 1 + rotate(x) * 0 == x exactly: no rotation, in every loop
+                table = self._rope_tables[kind] = (
+                    torch.ones(size, self.head_dim, dtype=self.dtype, device=self.device),
+                    torch.zeros(size, self.head_dim, dtype=self.dtype, device=self.device))
+                return table
             positions = torch.arange(size, device=self.device)[None]
             probe = torch.empty(0, dtype=self.dtype, device=self.device)
-            if self.kind == "gemma3":
+            if self.family.rope_by_layer_type:
                 cos, sin = self._rotary(probe, positions, kind)
             else:
                 cos, sin = self._rotary(probe, positions)
@@ -358,7 +386,7 @@ class NativeRunner:
         return table
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, gemma_style: bool = False) -> torch.Tensor:
-        gemma_style = gemma_style or self.kind == "gemma3"
+        gemma_style = gemma_style or self.family.gemma_norms
         if self._cpu_kernels is not None:
             return self._cpu_kernels.rms_norm(x, weight, self.eps, not gemma_style)
         return (_rms_norm_gemma if gemma_style else _rms_norm_llama)(x, weight, self.eps)

@@ -8,6 +8,8 @@ the processed draft distribution q and target distribution p comparable in rejec
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from quickdraft.params import SamplingParams
@@ -111,18 +113,38 @@ def sample(processed: torch.Tensor, params: SamplingParams, generator: torch.Gen
     return torch.multinomial(flat, 1, generator=generator).reshape(processed.shape[:-1])
 
 
+def derive_key(*parts: int) -> int:
+    """A 63-bit key from integers (seeds, completion indices, positions) by a real hash of their bytes
+    (BLAKE2b): distinct inputs give distinct keys, unlike Python's hash(), for which hash(-1) == hash(-2)
+    and integers wrap modulo 2^61 - 1. Each part must fit in 128 signed bits."""
+    data = b"".join(int(part).to_bytes(16, "little", signed=True) for part in parts)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+_GRID = 1 << 52
+
+
 def position_noise(key: int, first: int, count: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """Exp(1) noise [count, vocab] for output positions first .. first+count-1, a function of (key, position)
-    only: whichever step reaches a position, and however many positions it verifies, it draws the same."""
+    """Exp(1) noise E [count, vocab] (float64) for output positions first .. first+count-1, a function of
+    (key, position) only: whichever step reaches a position, and however many positions it verifies, it
+    draws the same. E is strictly positive and finite: u is the midpoint of a cell of a 2^52 grid on (0, 1),
+    so E = -log(u) lies in [1.1e-16, 36.7] and log E is finite (see noisy_scores)."""
     rows = []
     for position in range(first, first + count):
-        generator = torch.Generator(device=device).manual_seed(hash((key, position)) & 0x7FFF_FFFF_FFFF_FFFF)
-        rows.append(torch.rand(vocab, generator=generator, device=device))
-    return -torch.log(torch.stack(rows))  # u in [0, 1): noise in (0, inf]
+        generator = torch.Generator(device=device).manual_seed(derive_key(key, position))
+        cells = torch.randint(0, _GRID, (vocab,), generator=generator, device=device, dtype=torch.int64)
+        rows.append((cells.double() + 0.5) / _GRID)
+    return -torch.log(torch.stack(rows))
+
+
+def noisy_scores(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """log p - log E: argmax over a row is a draw from p (the exponential race, a form of the Gumbel-max
+    trick). In log space with E finite and positive, a token of probability zero scores -inf and can never
+    win, whatever its noise (p / E with E = inf would score it 0, the same as every other token's floor)."""
+    return probs.double().log() - noise.log()
 
 
 def sample_with_noise(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """argmax_i p_i / E_i with E_i ~ Exp(1) independent: a draw from p (the exponential race, a form of the
-    Gumbel-max trick). With noise from `position_noise`, a seeded request draws the same token at a position
-    whether it decodes plainly or speculatively."""
-    return (probs / noise).argmax(-1)
+    """A draw from each row of p with E_i ~ Exp(1) independent. With noise from `position_noise`, a seeded
+    request draws the same token at a position whether it decodes plainly or speculatively."""
+    return noisy_scores(probs, noise).argmax(-1)

@@ -69,7 +69,8 @@ def test_bench_smoke(tiny_dataset, tmp_path):
     for name, m in methods.items():
         for stats in [m["overall"], *m["categories"].values()]:
             for key in ("tokens_per_s", "tokens_per_s_median", "speedup_vs_none", "speedup_vs_hf",
-                        "speedup_vs_llamacpp", "acceptance_rate", "mean_accepted_length", "acceptance_by_position",
+                        "speedup_vs_llamacpp", "acceptance_rate", "mean_acceptance_length",
+                        "tokens_per_target_forward", "acceptance_by_position",
                         "n_prompts", "greedy_mismatches"):
                 assert key in stats, (name, key)
             assert stats["tokens_per_s"] > 0 and stats["speedup_vs_hf"] > 0
@@ -83,13 +84,15 @@ def test_bench_smoke(tiny_dataset, tmp_path):
     assert methods["hf"]["overall"]["speedup_vs_hf"] == 1.0
     for name in ("none", "hf", "hf-lookup"):
         assert methods[name]["overall"]["acceptance_rate"] is None
-        assert methods[name]["overall"]["mean_accepted_length"] is None
+        assert methods[name]["overall"]["mean_acceptance_length"] is None
+        assert methods[name]["overall"]["tokens_per_target_forward"] is None
     for name in ("ngram", "layers:1"):
         overall = methods[name]["overall"]
         assert methods[name]["k"] in (1, 3)
         assert 0 <= overall["acceptance_rate"] <= 1
         assert all(0 <= r <= 1 for r in overall["acceptance_by_position"] if r is not None)
-        assert 1 <= overall["mean_accepted_length"] <= methods[name]["k"] + 1
+        assert 1 <= overall["tokens_per_target_forward"] <= methods[name]["k"] + 1
+        assert 1 <= overall["mean_acceptance_length"] <= methods[name]["k"] + 1
         assert overall["time_per_step"]["target_ms"] > 0
     assert methods["layers:1"]["overall"]["acceptance_by_position"]
 

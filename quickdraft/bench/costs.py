@@ -58,21 +58,19 @@ def expected_tokens_per_step(alpha: float, k: float, f: float = 1.0) -> float:
 def draft_statistics(metrics: Sequence[RequestMetrics]) -> dict[str, float | None]:
     """alpha, f and k (see the module doc) and the draft time per step, pooled over requests.
 
-    alpha is estimated from the per-position counts: position i can only be accepted when position i-1
-    was, so the steps that reached position i are min(accepted[i-1], proposed[i])."""
+    alpha is the engine's own per-position count: accepted draft tokens over the draft positions that were
+    judged (reached: every earlier draft of the step accepted), whatever K each step used."""
     pooled = RequestMetrics.combine(list(metrics))
     steps = pooled.target_forwards
-    proposed = np.asarray(pooled.proposed_per_position, dtype=float)
-    accepted = np.asarray(pooled.accepted_per_position, dtype=float)
-    width = proposed.shape[0]
-    drafted_steps = float(proposed[0]) if width else 0.0
-    reached = np.minimum(np.concatenate([[drafted_steps], accepted[:-1]]), proposed) if width else proposed
+    reached = sum(pooled.reached_per_position)
+    accepted = sum(pooled.accepted_per_position)
+    drafted_steps = pooled.num_drafts
     draft_time = pooled.draft_time_s
     draft_forwards = pooled.draft_forwards
     return {
-        "alpha": float(accepted.sum() / reached.sum()) if width and reached.sum() else None,
+        "alpha": accepted / reached if reached else None,
         "draft_fraction": drafted_steps / steps if steps else None,
-        "mean_draft_length": float(proposed.sum()) / drafted_steps if drafted_steps else None,
+        "mean_draft_length": pooled.proposed_tokens / drafted_steps if drafted_steps else None,
         "draft_s_per_step": draft_time / steps if steps else None,
         "draft_s_per_forward": draft_time / draft_forwards if draft_forwards else None,
         "draft_forwards_per_step": draft_forwards / steps if steps else None,

@@ -54,7 +54,8 @@ class PromptResult:
             "generated_tokens": [len(t.generation.token_ids) for t in self.turns],
             "seconds": self.seconds, "tokens_per_s": self.tokens_per_s,
             "acceptance_rate": pooled.acceptance_rate,
-            "mean_accepted_length": pooled.mean_accepted_length,
+            "mean_acceptance_length": pooled.mean_acceptance_length,
+            "tokens_per_target_forward": pooled.tokens_per_target_forward,
             "greedy_divergence": self.divergence,
         }
 
@@ -76,7 +77,8 @@ def group_stats(results: Sequence[PromptResult], greedy: bool) -> dict[str, Any]
         "generated_tokens": sum(r.tokens for r in results), "seconds": sum(r.seconds for r in results),
         "tokens_per_s": _mean(rates), "tokens_per_s_median": statistics.median(rates) if rates else None,
         "speedup_vs_none": None, "speedup_vs_hf": None, "speedup_vs_llamacpp": None,
-        "acceptance_rate": None, "mean_accepted_length": None, "acceptance_by_position": [],
+        "acceptance_rate": None, "mean_acceptance_length": None, "tokens_per_target_forward": None,
+        "acceptance_by_position": [],
         "greedy_mismatches": sum(r.divergence is not None for r in results) if greedy else None,
         "time_per_step": None,
     }
@@ -84,11 +86,11 @@ def group_stats(results: Sequence[PromptResult], greedy: bool) -> dict[str, Any]
     steps = pooled.target_forwards
     if pooled.proposed_tokens:
         stats["acceptance_rate"] = pooled.acceptance_rate
-        stats["acceptance_by_position"] = [
-            _ratio(a, p) for a, p in zip(pooled.accepted_per_position, pooled.proposed_per_position)]
+        stats["mean_acceptance_length"] = pooled.mean_acceptance_length
+        stats["acceptance_by_position"] = pooled.acceptance_by_position  # conditional: accepted / reached
     if steps:
         if any(m.num_speculative_tokens for m in metrics):
-            stats["mean_accepted_length"] = pooled.mean_accepted_length
+            stats["tokens_per_target_forward"] = pooled.tokens_per_target_forward
         parts = {name: getattr(pooled, f"{name}_time_s") for name in ("target", "draft", "verify")}
         wall = pooled.wall_time_s
         parts["other"] = max(0.0, wall - sum(parts.values()))
@@ -128,7 +130,7 @@ def build_report(config: dict, runners: Sequence[Runner], results: dict[str, lis
             entry = {"method": runner.spec.name, "k": runner.k,
                      "draft_kind": "n-gram lookup" if runner.spec.name == "ngram" else "model forward",
                      **draft, **costs.predict(draft, forward_s),
-                     "measured_tokens_per_step": overall["mean_accepted_length"],
+                     "measured_tokens_per_step": overall["tokens_per_target_forward"],
                      "measured_speedup": overall["speedup_vs_none"]}
             entry["measured_over_predicted"] = _ratio(entry["measured_speedup"], entry["predicted_speedup"])
             predictions[runner.label] = entry
@@ -153,7 +155,8 @@ def build_report(config: dict, runners: Sequence[Runner], results: dict[str, lis
                 "predicted_speedup": predicted,
                 "measured_over_predicted": [_ratio(s["speedup_vs_none"], p) for s, p in zip(rows, predicted)],
                 "acceptance_rate": [s["acceptance_rate"] for s in rows],
-                "mean_accepted_length": [s["mean_accepted_length"] for s in rows],
+                "mean_acceptance_length": [s["mean_acceptance_length"] for s in rows],
+                "tokens_per_target_forward": [s["tokens_per_target_forward"] for s in rows],
                 "greedy_mismatches": [s["greedy_mismatches"] for s in rows],
                 "best_k": best.k,
                 "best_k_predicted": None if all(p is None for p in predicted)
@@ -210,7 +213,7 @@ def render(report: dict, console) -> None:
         o = m["overall"]
         table.add_row(name, _fmt(m["k"], "d"), _fmt(o["tokens_per_s"], ".1f"), _fmt(o["tokens_per_s_median"], ".1f"),
                       _fmt(o["speedup_vs_none"]), _fmt(o["speedup_vs_hf"]), _fmt(o["speedup_vs_llamacpp"]),
-                      _fmt(o["acceptance_rate"], ".1%"), _fmt(o["mean_accepted_length"]),
+                      _fmt(o["acceptance_rate"], ".1%"), _fmt(o["tokens_per_target_forward"]),
                       _fmt(o.get("predicted_speedup_vs_none")), _fmt(o.get("measured_over_predicted")),
                       _fmt(o["greedy_mismatches"], "d"))
     console.print(table)
@@ -339,7 +342,7 @@ def write_plots(report: dict, directory: str | Path) -> list[str]:
             ax.plot(range(1, len(rates) + 1), [r if r is not None else float("nan") for r in rates], marker="o",
                     label=f"{name} (K={m['k']})")
         ax.set_xlabel("draft position")
-        ax.set_ylabel("acceptance rate")
+        ax.set_ylabel("acceptance rate (given earlier drafts accepted)")
         ax.set_ylim(0, 1.05)
         _legend(ax)
         save(fig, "acceptance_by_position.png")

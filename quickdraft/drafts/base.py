@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from quickdraft.engine import Sequence
+    from quickdraft.sequence import Sequence
 
 
 @dataclass
@@ -44,6 +44,10 @@ class Proposer(ABC):
 
     def new_state(self, seq: "Sequence") -> Any:
         return None
+
+    def max_draft_tokens(self, seq: "Sequence") -> int:
+        """The most tokens this proposer can draft for `seq` now (a draft model's context may end first)."""
+        return 1 << 30
 
     @abstractmethod
     def propose(self, seq: "Sequence", k: int) -> Proposal:

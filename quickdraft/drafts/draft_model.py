@@ -26,6 +26,10 @@ class DraftModelProposer(Proposer):
     def new_state(self, seq):
         return self.runner.new_cache()
 
+    def max_draft_tokens(self, seq) -> int:
+        # Drafting k tokens feeds the history and k - 1 drafts through the draft model.
+        return self.runner.max_len - len(seq.token_ids) + 1
+
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         # Vocabularies that differ only by padding rows: drop the draft's extra rows, or give the target's
         # extra (padding) ids zero draft probability.

@@ -1,0 +1,211 @@
+"""Per-request state that the engine, the drafts and the API all read: `Sequence` and its `RequestMetrics`.
+
+Acceptance is counted from what is *emitted*: a draft token accepted by verification but dropped because an
+earlier token ended the request (EOS, a stop id, max_tokens, a stop string) was never output and is not
+counted. Every output token carries its provenance (an accepted draft at position i, the target's token
+after a rejection at position i, or a bonus / plain token), so cutting the output also uncounts exactly what
+it cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from quickdraft import adaptive, sampling
+from quickdraft.cache import SequenceCache
+from quickdraft.params import SamplingParams
+
+# The provenance of an output token (Sequence.provenance): >= 0 is an accepted draft token at that draft
+# position; TARGET_TOKEN is the target's own token with no rejection before it (a bonus after K accepted
+# drafts, or plain decoding); <= -2 is the target's token after the draft at position -(code + 2) was
+# rejected (the correction).
+TARGET_TOKEN = -1
+
+
+def correction_code(rejected_position: int) -> int:
+    return -2 - rejected_position
+
+
+@dataclass
+class RequestMetrics:
+    """What one request cost and how well the draft did (vLLM's definitions where it has them).
+
+    acceptance_rate = accepted draft tokens / draft tokens proposed;
+    mean_acceptance_length = 1 + accepted draft tokens / drafting steps (vLLM's "mean acceptance length");
+    tokens_per_target_forward = output tokens / target forwards (the prefill forward included).
+    Per position i: proposed (steps whose draft had a token at i), reached (steps where i was judged: every
+    draft before it was accepted) and accepted; accepted[i] / reached[i] is the conditional acceptance that
+    adaptive K and the bench's cost model use."""
+
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_speculative_tokens: int = 0
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    num_drafts: int = 0  # steps that proposed at least one draft token
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    proposed_per_position: list[int] = field(default_factory=list)
+    reached_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    wall_time_s: float = 0.0
+    first_token_time_s: float | None = None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """1 + accepted draft tokens per drafting step: tokens a drafting step yields (up to K+1)."""
+        return 1 + self.accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    @property
+    def tokens_per_target_forward(self) -> float | None:
+        """Output tokens per target forward, every forward counted (1 for plain decoding)."""
+        return self.num_generated_tokens / self.target_forwards if self.target_forwards else None
+
+    @property
+    def acceptance_by_position(self) -> list[float | None]:
+        """accepted[i] / reached[i]: the chance that draft position i is accepted given that it was judged."""
+        return [a / r if r else None for a, r in zip(self.accepted_per_position, self.reached_per_position)]
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.num_generated_tokens / self.wall_time_s if self.wall_time_s > 0 else None
+
+    def _bump(self, name: str, position: int, delta: int) -> None:
+        counts = getattr(self, name)
+        if position >= len(counts):
+            counts.extend([0] * (position + 1 - len(counts)))
+        counts[position] += delta
+
+    def count_proposed(self, k: int) -> None:
+        if k > 0:
+            self.num_drafts += 1
+            self.proposed_tokens += k
+            for i in range(k):
+                self._bump("proposed_per_position", i, 1)
+
+    def count_emitted(self, code: int, delta: int = 1) -> None:
+        """Count (delta=1) or uncount (delta=-1) one output token of the given provenance."""
+        if code >= 0:
+            self.accepted_tokens += delta
+            self._bump("accepted_per_position", code, delta)
+            self._bump("reached_per_position", code, delta)
+        elif code != TARGET_TOKEN:
+            self._bump("reached_per_position", -2 - code, delta)
+            self._bump("accepted_per_position", -2 - code, 0)  # same length as reached: a 0 is a count too
+
+    @staticmethod
+    def combine(parts: "list[RequestMetrics]") -> "RequestMetrics":
+        """The pooled metrics of several generations (the n completions of a request, a benchmark's
+        prompts): counts, times and per-position counts summed."""
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return RequestMetrics()
+        total = RequestMetrics(num_prompt_tokens=parts[0].num_prompt_tokens,
+                               num_speculative_tokens=parts[0].num_speculative_tokens,
+                               first_token_time_s=parts[0].first_token_time_s)
+        for m in parts:
+            for name in ("num_generated_tokens", "target_forwards", "draft_forwards", "num_drafts",
+                         "proposed_tokens", "accepted_tokens", "draft_time_s", "target_time_s", "verify_time_s",
+                         "wall_time_s"):
+                setattr(total, name, getattr(total, name) + getattr(m, name))
+            for name in ("proposed_per_position", "reached_per_position", "accepted_per_position"):
+                for i, v in enumerate(getattr(m, name)):
+                    total._bump(name, i, v)
+        return total
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
+        out.update(acceptance_rate=self.acceptance_rate, mean_acceptance_length=self.mean_acceptance_length,
+                   tokens_per_target_forward=self.tokens_per_target_forward,
+                   acceptance_by_position=self.acceptance_by_position, tokens_per_s=self.tokens_per_s)
+        return out
+
+
+class Sequence:
+    """One request being generated: its tokens, sampling state, caches and metrics."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator | None,
+                 device: torch.device, vocab_size: int, noise_key: int | None = None):
+        self.prompt_ids = list(prompt_ids)
+        # Seeded sampling: each output position draws from noise keyed by (noise_key, position), so the text
+        # is the same with speculation on or off and whatever K (see verify). None: rejection sampling.
+        self.noise_key = None if params.greedy else noise_key
+        self.output_ids: list[int] = []
+        self.provenance: list[int] = []  # one code per output token (see TARGET_TOKEN)
+        self.params = params
+        self.generator = generator
+        self.device = device
+        self.penalties = sampling.PenaltyHistory(prompt_ids, vocab_size, device) if params.uses_penalties else None
+        self.target_cache: SequenceCache = SequenceCache()
+        self.draft_state: Any = None
+        self.acceptance = adaptive.AcceptanceStats()
+        self.finish_reason: str | None = None
+        self.metrics = RequestMetrics(num_prompt_tokens=len(prompt_ids))
+        self._token_ids = list(prompt_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt followed by the committed output (do not mutate)."""
+        return self._token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def process(self, logits: torch.Tensor, pending: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """Apply the request's sampling parameters to `logits` [n, V] whose row j is the position after
+        token_ids + pending[:first_row + j]."""
+        seen = counts = None
+        if self.penalties is not None:
+            seen, counts = self.penalties.rows(pending, first_row + logits.shape[0])
+            seen, counts = seen[first_row:], counts[first_row:]
+        return sampling.process(logits, self.params, seen, counts)
+
+    def commit(self, drafts: list[int], num_proposed: int, token: int, eos_token_ids: set[int],
+               max_len: int) -> list[int]:
+        """Append a verified step (the accepted drafts, then the target's token) up to the first token that
+        ends the request; count what was appended. Returns the tokens appended."""
+        params = self.params
+        last_code = TARGET_TOKEN if len(drafts) == num_proposed else correction_code(len(drafts))
+        steps = [(t, i) for i, t in enumerate(drafts)] + [(token, last_code)]
+        taken: list[int] = []
+        for t, code in steps:
+            taken.append(t)
+            self.provenance.append(code)
+            self.metrics.count_emitted(code)
+            if t in params.stop_token_ids or (t in eos_token_ids and not params.ignore_eos):
+                self.finish_reason = "stop"
+            elif len(self.output_ids) + len(taken) >= params.max_tokens or len(self._token_ids) + len(taken) >= max_len:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        self.output_ids.extend(taken)
+        self._token_ids.extend(taken)
+        if self.penalties is not None:
+            self.penalties.append(taken)
+        self.metrics.num_generated_tokens = len(self.output_ids)
+        return taken
+
+    def truncate_output(self, length: int, reason: str) -> None:
+        """Keep the first `length` output tokens and finish (a stop string ended inside a step); the dropped
+        tokens are uncounted from the acceptance metrics."""
+        drop = len(self.output_ids) - length
+        if drop > 0:
+            for code in self.provenance[length:]:
+                self.metrics.count_emitted(code, -1)
+            del self.provenance[length:]
+            del self.output_ids[length:]
+            del self._token_ids[len(self._token_ids) - drop:]
+        self.metrics.num_generated_tokens = len(self.output_ids)
+        self.finish_reason = reason

@@ -5,19 +5,21 @@ from __future__ import annotations
 import copy
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence as Seq
 
 import torch
 from torch import nn
 
+from quickdraft.detokenize import Detokenizer
 from quickdraft.drafts import (DraftModelProposer, LayerSkipProposer, NgramProposer, NoDraft, Proposer,
                                QuantizedSelfProposer, SpeculativeConfig)
-from quickdraft.engine import Engine, RequestMetrics, Sequence
+from quickdraft.engine import Engine, RequestMetrics
 from quickdraft.errors import QuickdraftError, TokenizerMismatchError
 from quickdraft.models import loader
-from quickdraft.models.runner import make_runner, quantized
-from quickdraft.params import SamplingParams
+from quickdraft.models.runner import RUNNERS, make_runner, quantized
+from quickdraft.params import SEED_MAX, SEED_MIN, SamplingParams
+from quickdraft.sampling import derive_key
 
 log = logging.getLogger(__name__)
 
@@ -54,53 +56,6 @@ class TextStream:
         return self._deltas
 
 
-@dataclass
-class _Detokenizer:
-    """Incremental text for one sequence, with stop-string handling (vLLM semantics: the text ends before
-    the stop string unless include_stop_str_in_output; token_ids end with the token that completed it)."""
-
-    tokenizer: Any
-    params: SamplingParams
-    text: str = ""
-    sent: int = 0  # characters already handed to a stream
-    _hold: int = field(init=False, default=0)
-
-    def __post_init__(self) -> None:
-        # A stop string may be split over steps: hold back what could be its beginning.
-        self._hold = max((len(s) for s in self.params.stop_list), default=1) - 1
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
-
-    def update(self, seq: Sequence, num_new: int) -> str:
-        """Take the sequence's latest `num_new` tokens; truncate and finish it on a stop string; return the
-        new text that is safe to show."""
-        if self.tokenizer is None:
-            return ""
-        before = len(seq.output_ids) - num_new
-        text = self._decode(seq.output_ids)
-        if self.params.stop_list:
-            search_from = max(0, len(self.text) - self._hold)
-            hits = [(text.find(s, search_from), s) for s in self.params.stop_list]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                index, stop = min(hits)
-                # The fewest tokens whose text contains the stop string end the output.
-                for keep in range(before + 1, len(seq.output_ids) + 1):
-                    if stop in self._decode(seq.output_ids[:keep])[search_from:]:
-                        break
-                seq.truncate_output(keep, "stop")
-                text = text[: index + (len(stop) if self.params.include_stop_str_in_output else 0)]
-        self.text = text
-        safe = len(text) if seq.finished else len(text) - self._hold
-        while safe > self.sent and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 character
-            safe -= 1
-        if safe <= self.sent:
-            return ""
-        delta, self.sent = text[self.sent: safe], safe
-        return delta
-
-
 def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
     if target_tok is None or draft_tok is None:
         if (target_tok is None) != (draft_tok is None):
@@ -116,6 +71,32 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: st
             f"({len(draft_vocab)} vs {len(target_vocab)} tokens; first difference at token {differing!r}). "
             "A draft model must share the target's tokenizer: use a smaller model of the same family, "
             "or method 'ngram' or 'layer_skip'")
+
+
+def _prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise QuickdraftError("prompts must be a string, a dict with 'prompt' or 'prompt_token_ids', or a list of "
+                              f"them; got {type(prompts).__name__}")
+    if not prompts:
+        raise QuickdraftError("no prompts given: pass at least one prompt")
+    return list(prompts)
+
+
+def _check_llm_arguments(model, seed, trust_remote_code, runner, max_model_len) -> None:
+    if not isinstance(model, (str, nn.Module)):
+        raise QuickdraftError("model must be an alias, a .gguf file, a directory, a hub id or a loaded transformers "
+                              f"model; got {type(model).__name__}")
+    if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and SEED_MIN <= seed <= SEED_MAX):
+        raise QuickdraftError(f"seed must be an integer in [-2**63, 2**64 - 1] or None, got {seed!r}")
+    if not isinstance(trust_remote_code, bool):
+        raise QuickdraftError(f"trust_remote_code must be true or false, got {trust_remote_code!r}")
+    if runner not in RUNNERS:
+        raise QuickdraftError(f"unknown runner {runner!r}; use one of {', '.join(RUNNERS)}")
+    if max_model_len is not None and not (isinstance(max_model_len, int) and not isinstance(max_model_len, bool)
+                                          and max_model_len >= 2):
+        raise QuickdraftError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
 
 
 class LLM:
@@ -148,6 +129,7 @@ class LLM:
         max_model_len: int | None = None,
         runner: str = "auto",
     ):
+        _check_llm_arguments(model, seed, trust_remote_code, runner, max_model_len)
         self.device = loader.resolve_device(device)
         if isinstance(model, nn.Module) and isinstance(dtype, str) and dtype == "auto":
             self.dtype = next(model.parameters()).dtype  # a model object keeps its dtype unless told otherwise
@@ -155,11 +137,14 @@ class LLM:
             self.dtype = loader.resolve_dtype(dtype, self.device)
         self.runner_kind = runner
         self.trust_remote_code = trust_remote_code
+        if speculative_config is not None and not isinstance(speculative_config, (dict, SpeculativeConfig)):
+            raise QuickdraftError(f"speculative_config must be a dict, got {type(speculative_config).__name__}")
         config = dict(speculative_config or {}) if not isinstance(speculative_config, SpeculativeConfig) \
             else speculative_config
         if speculative_model is not None or num_speculative_tokens is not None:
-            if isinstance(config, SpeculativeConfig):
-                raise QuickdraftError("pass either speculative_config or speculative_model/num_speculative_tokens")
+            if speculative_config is not None:
+                raise QuickdraftError("pass either speculative_config or speculative_model/num_speculative_tokens, "
+                                      "not both")
             if speculative_model is not None:
                 config.setdefault("method", "draft_model")
                 config["model"] = speculative_model
@@ -171,18 +156,19 @@ class LLM:
         self.target = make_runner(target_model, self.model_name, runner)
         self.proposer = self._build_proposer(self.speculative_config)
         eos = self._eos_token_ids(target_model)
-        if max_model_len is not None and not (isinstance(max_model_len, int) and max_model_len >= 2):
-            raise QuickdraftError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         self.engine = Engine(self.target, self.proposer, self.speculative_config.effective_k, eos, max_model_len,
                              adaptive_k=self.speculative_config.adaptive)
+        # An LLM seed makes every request reproducible: a request without a seed of its own gets a noise key
+        # from this generator, so its draws are position-keyed and do not depend on how many random numbers
+        # speculation consumed (adaptive K changes that from run to run).
+        self._seeded = seed is not None
         self._seed_rng = random.Random(seed)
 
     def with_speculative_config(self, speculative_config: dict[str, Any] | SpeculativeConfig) -> "LLM":
         """An LLM with this one's target (its runner, weights and tokenizer shared, not copied) and another
         draft method: comparing methods on one model loads and packs it once."""
         other = copy.copy(self)
-        other.speculative_config = speculative_config if isinstance(speculative_config, SpeculativeConfig) \
-            else SpeculativeConfig.from_dict(dict(speculative_config))
+        other.speculative_config = SpeculativeConfig.from_dict(speculative_config)
         other.proposer = other._build_proposer(other.speculative_config)
         other.engine = Engine(self.target, other.proposer, other.speculative_config.effective_k,
                               self.engine.eos_token_ids, self.engine.max_len,
@@ -258,8 +244,18 @@ class LLM:
                                                   add_generation_prompt=True)
 
     def _generator(self, params: SamplingParams) -> torch.Generator:
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seed = derive_key(params.seed) if params.seed is not None else self._seed_rng.getrandbits(63)
         return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _noise_keys(self, params: SamplingParams) -> list[int | None]:
+        """One position-noise key per completion, or None (rejection sampling) where nothing is seeded."""
+        if params.seed is not None:
+            request_key = params.seed
+        elif self._seeded:
+            request_key = self._seed_rng.getrandbits(64)
+        else:
+            return [None] * params.n
+        return [derive_key(request_key, index) for index in range(params.n)]
 
     # --- generation --------------------------------------------------------------------------------------
     def _run(self, prompt: Prompt, params: SamplingParams, request_id: str) -> Iterator[str]:
@@ -267,12 +263,11 @@ class LLM:
         text, prompt_ids = self._prompt_ids(prompt)
         generator = self._generator(params)
         completions, metrics = [], []
-        for index in range(params.n):
-            # A request's own seed makes its text reproducible with or without speculation (position-keyed
-            # noise); without one, verification is rejection sampling from the LLM's generator.
-            noise_key = hash((params.seed, index)) if params.seed is not None else None
+        # A request's own seed (or the LLM's) makes its text reproducible with or without speculation and
+        # whatever K (position-keyed noise); without one, verification is rejection sampling.
+        for index, noise_key in enumerate(self._noise_keys(params)):
+            detok = Detokenizer(self.tokenizer, params)  # refuses stop strings without a tokenizer
             seq = self.engine.new_sequence(prompt_ids, params, generator, noise_key)
-            detok = _Detokenizer(self.tokenizer, params)
             for tokens in self.engine.run(seq):
                 delta = detok.update(seq, len(tokens))
                 if delta and index == 0:
@@ -291,11 +286,7 @@ class LLM:
     def generate(self, prompts: Prompt | Iterable[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for each prompt; one SamplingParams for all, or one per prompt."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if not prompts:
-            raise QuickdraftError("no prompts given")
+        prompts = _prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompts))
         return [self._drain(self._run(p, sp, str(i))) for i, (p, sp) in enumerate(zip(prompts, params_list))]
 
@@ -305,6 +296,10 @@ class LLM:
             return [SamplingParams()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+                isinstance(sp, SamplingParams) for sp in sampling_params):
+            raise QuickdraftError("sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                                  f"got {type(sampling_params).__name__}")
         params_list = list(sampling_params)
         if len(params_list) != count:
             raise QuickdraftError(f"got {len(params_list)} SamplingParams for {count} prompts")
@@ -314,7 +309,10 @@ class LLM:
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              chat_template: str | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations, through the chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise QuickdraftError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts, or a "
+                                  f"list of such lists; got {type(messages).__name__}")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(c, chat_template) for c in conversations]
         return self.generate(prompts, sampling_params)
 
@@ -326,7 +324,9 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> TextStream:
         """Text deltas of the first completion as they are generated; `.output` once the iteration ends."""
-        gen = self._run(prompt, sampling_params or SamplingParams(), "0")
+        if isinstance(prompt, (list, tuple)):
+            raise QuickdraftError("stream takes one prompt (a string or a dict), not a list; use generate for many")
+        gen = self._run(prompt, self._params_list(sampling_params, 1)[0], "0")
         stream = TextStream(iter(()))
 
         def deltas() -> Iterator[str]:

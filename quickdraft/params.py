@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from quickdraft.errors import QuickdraftError
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
+GREEDY_TEMPERATURE = 1e-5
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """A finite int or float (not a bool, not nan or inf)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -35,28 +48,48 @@ class SamplingParams:
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.top_k == -1:
+        if self.top_k == -1 and not isinstance(self.top_k, bool):
             self.top_k = 0
-        self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if isinstance(self.stop, str):
+            self.stop_list = [self.stop]
+        elif self.stop is None:
+            self.stop_list = []
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop_list = list(self.stop)
+        else:
+            raise QuickdraftError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise QuickdraftError(f"stop_token_ids must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         checks = [
-            (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (self.temperature >= 0, f"temperature must be >= 0 (0 means greedy), got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}; use 1 to disable it"),
-            (isinstance(self.top_k, int) and self.top_k >= 0,
-             f"top_k must be an integer >= 0, got {self.top_k!r}; use 0 to disable it"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}; use 0 to disable it"),
-            (self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty}; use 1 to disable it"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            (_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+            (_is_real(self.temperature) and self.temperature >= 0,
+             f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}"),
+            (_is_real(self.top_p) and 0 < self.top_p <= 1,
+             f"top_p must be a number in (0, 1], got {self.top_p!r}; use 1 to disable it"),
+            (_is_int(self.top_k) and self.top_k >= 0,
+             f"top_k must be an integer >= 0, got {self.top_k!r}; use 0 (or -1) to disable it"),
+            (_is_real(self.min_p) and 0 <= self.min_p <= 1,
+             f"min_p must be a number in [0, 1], got {self.min_p!r}; use 0 to disable it"),
+            (_is_real(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}; use 1 to disable it"),
+            (_is_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be a number in [-2, 2], got {self.presence_penalty!r}"),
+            (_is_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be a number in [-2, 2], got {self.frequency_penalty!r}"),
+            (_is_int(self.max_tokens) and self.max_tokens >= 1,
              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (all(isinstance(s, str) and s for s in self.stop_list), "stop strings must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "stop_token_ids must be non-negative integers"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
+            (all(isinstance(s, str) and s for s in self.stop_list),
+             f"stop strings must be non-empty strings, got {self.stop_list!r}"),
+            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),
+            (self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+             f"seed must be an integer in [-2**63, 2**64 - 1] or None, got {self.seed!r}"),
+            (isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}"),
+            (isinstance(self.include_stop_str_in_output, bool),
+             f"include_stop_str_in_output must be true or false, got {self.include_stop_str_in_output!r}"),
+            (isinstance(self.skip_special_tokens, bool),
+             f"skip_special_tokens must be true or false, got {self.skip_special_tokens!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -64,7 +97,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # As vLLM: temperatures this small are greedy (dividing logits by them would overflow float32).
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:

@@ -46,8 +46,11 @@ def test_greedy_equals_plain_greedy(build, method):
         assert m.target_forwards == 40 and m.proposed_tokens == 0
     else:
         assert m.proposed_tokens > 0 and 0 <= m.acceptance_rate <= 1
-        assert m.target_forwards == 40 - m.accepted_tokens + (m.num_generated_tokens < 40)
+        # Each target forward yields one token of its own plus the accepted drafts it emitted.
+        assert m.target_forwards + m.accepted_tokens == 40
         assert sum(m.accepted_per_position) == m.accepted_tokens
+        assert m.mean_acceptance_length == 1 + m.accepted_tokens / m.num_drafts
+        assert m.tokens_per_target_forward == 40 / m.target_forwards
 
 
 def _exact_three_token_law(model, prompt, params):
@@ -228,3 +231,63 @@ def test_bad_prompts():
         llm.generate("hello", sp)
     with pytest.raises(QuickdraftError, match="2 SamplingParams for 1 prompts"):
         llm.generate([{"prompt_token_ids": [1]}], [sp, sp])
+
+
+def test_distinct_seeds_give_distinct_text():
+    """Failed before: the noise key was hash((seed, index)), so seeds -1 and -2 (hash(-1) == hash(-2)) and
+    5 and 2^61 + 4 (ints hash modulo 2^61 - 1) gave the same text."""
+    llm = LLM(tiny_llama(seed=0), speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    texts = {}
+    for seed in (-1, -2, 5, 2 ** 61 + 4, 2 ** 64 - 1, -(2 ** 63)):
+        sp = SamplingParams(temperature=1.5, max_tokens=30, seed=seed)
+        texts[seed] = tuple(llm.generate({"prompt_token_ids": PROMPT}, sp)[0].outputs[0].token_ids)
+        assert texts[seed] == tuple(llm.generate({"prompt_token_ids": PROMPT}, sp)[0].outputs[0].token_ids)
+    assert len(set(texts.values())) == len(texts), texts
+
+
+def test_a_seeded_llm_is_reproducible_whatever_k_the_cost_model_picks(monkeypatch):
+    """Failed before: with adaptive K (from timed step costs), the number of random draws varied between
+    runs and LLM(seed=123) gave different texts. Here K is drawn at random each step, unseeded, to make the
+    variation certain: 8 runs must still agree, with each other and with plain decoding."""
+    import random
+
+    from quickdraft import adaptive
+
+    chaos = random.Random()
+    monkeypatch.setattr(adaptive, "choose_k", lambda stats, costs, max_k: chaos.randint(0, max_k))
+    target, draft = tiny_llama(seed=0), tiny_llama(seed=3)
+    sp = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=20, n=2)
+    runs = set()
+    for _ in range(8):
+        llm = LLM(target, seed=123, speculative_config={"method": "draft_model", "model": draft,
+                                                        "num_speculative_tokens": 4})
+        outs = llm.generate([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[:5]}], sp)
+        runs.add(tuple(tuple(c.token_ids) for o in outs for c in o.outputs))
+    assert len(runs) == 1
+    plain = LLM(target, seed=123).generate([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[:5]}], sp)
+    assert runs == {tuple(tuple(c.token_ids) for o in plain for c in o.outputs)}
+    first = next(iter(runs))
+    assert len(set(first)) == 4  # the two completions of each request, and the two requests, differ
+
+
+def test_a_draft_with_a_shorter_context_falls_back_to_plain_steps():
+    """Failed before: "sequence of 21 tokens exceeds the context of 20" once fixed K reached the draft's end."""
+    target, draft = tiny_llama(seed=0, max_len=64), tiny_llama(seed=0, max_len=20)
+    expected = _reference_greedy(target, PROMPT, 40)
+    for adaptive_k in (False, True):
+        llm = LLM(target, speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 4,
+                                              "adaptive": adaptive_k})
+        out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=40))[0]
+        assert out.outputs[0].token_ids == expected
+        assert out.metrics.proposed_tokens > 0
+        # The draft reads at most 20 positions: history + k - 1 <= 20.
+        assert len(PROMPT) + out.metrics.num_generated_tokens > 20
+
+
+def test_negative_k_is_refused_with_the_right_bound():
+    from quickdraft.drafts import NoDraft
+    from quickdraft.engine import Engine
+
+    llm = LLM(tiny_llama(seed=0))
+    with pytest.raises(QuickdraftError, match=">= 0"):
+        Engine(llm.target, NoDraft(), -1)

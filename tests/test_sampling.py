@@ -90,3 +90,79 @@ def test_greedy_process_returns_penalised_logits_and_argmax():
 def test_bad_sampling_params_are_refused_with_their_name(kwargs, word):
     with pytest.raises(QuickdraftError, match=word):
         SamplingParams(**kwargs)
+
+
+# --- position-keyed noise (seeded sampling) ---------------------------------------------------------------
+
+from quickdraft import sampling as _sampling  # noqa: E402
+
+
+@pytest.mark.parametrize("extreme", ["low", "high"])
+def test_position_noise_at_the_generator_extremes_never_picks_a_zero_probability_token(monkeypatch, extreme):
+    """Failed before: a uniform draw of exactly 0 (about once in 2^24) made the noise infinite, every score
+    p / E zero, and argmax return token 0 even where it had probability zero."""
+    real_rand, real_randint = torch.rand, torch.randint
+
+    def rand(*args, **kwargs):  # the old code's draw
+        out = real_rand(*args, **kwargs)
+        return torch.zeros_like(out) if extreme == "low" else torch.full_like(out, 1 - 2 ** -24)
+
+    def randint(low, high, *args, **kwargs):
+        out = real_randint(low, high, *args, **kwargs)
+        return torch.full_like(out, low if extreme == "low" else high - 1)
+
+    monkeypatch.setattr(torch, "rand", rand)
+    monkeypatch.setattr(torch, "randint", randint)
+    noise = _sampling.position_noise(key=3, first=0, count=2, vocab=16, device=torch.device("cpu"))
+    assert torch.isfinite(noise).all() and (noise > 0).all()
+    for only in (0, 5, 15):
+        probs = torch.zeros(2, 16)
+        probs[:, only] = 1.0  # top_k=1 / min_p=1 / a top_p that keeps one token
+        assert _sampling.sample_with_noise(probs, noise).tolist() == [only, only]
+
+
+def test_noisy_scores_are_minus_infinity_exactly_where_p_is_zero():
+    probs = torch.tensor([[0.0, 0.25, 0.75, 0.0]])
+    for e in (1.1e-16, 1.0, 36.7):
+        scores = _sampling.noisy_scores(probs, torch.full((1, 4), e, dtype=torch.float64))
+        assert torch.isneginf(scores[0, [0, 3]]).all() and torch.isfinite(scores[0, [1, 2]]).all()
+
+
+def test_sample_with_noise_draws_from_p():
+    """The exponential race is a draw from p: 20000 positions of one key, chi-square at p > 1e-4."""
+    from scipy import stats
+
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0], dtype=torch.float64)
+    noise = _sampling.position_noise(key=11, first=0, count=20000, vocab=5, device=torch.device("cpu"))
+    draws = _sampling.sample_with_noise(p.expand(20000, 5), noise)
+    counts = torch.bincount(draws, minlength=5).tolist()
+    assert counts[4] == 0
+    assert stats.chisquare(counts[:4], [20000 * x for x in (0.5, 0.3, 0.15, 0.05)]).pvalue > 1e-4
+
+
+def test_derived_keys_differ_where_python_hash_collides():
+    """Failed before: keys came from hash((seed, index)); hash(-1) == hash(-2), and ints hash mod 2^61 - 1."""
+    assert hash((-1, 0)) == hash((-2, 0)) and hash((5, 0)) == hash((2 ** 61 + 4, 0))
+    keys = {_sampling.derive_key(s, i) for s in (-1, -2, 5, 2 ** 61 + 4, 0, 2 ** 64 - 1, -(2 ** 63)) for i in (0, 1)}
+    assert len(keys) == 14 and all(0 <= k < 2 ** 63 for k in keys)
+    assert _sampling.derive_key(7, 1) == _sampling.derive_key(7, 1)
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(seed=2 ** 70), "seed"), (dict(seed=-(2 ** 63) - 1), "seed"), (dict(seed=1.5), "seed"),
+    (dict(seed=True), "seed"), (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature="hot"), "temperature"),
+    (dict(top_p=float("nan")), "top_p"), (dict(min_p=2), "min_p"), (dict(top_k=2.5), "top_k"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(presence_penalty=3), "presence_penalty"),
+    (dict(frequency_penalty=None), "frequency_penalty"), (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=True), "max_tokens"), (dict(n=0), "n must"), (dict(stop=5), "stop"), (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(stop_token_ids=3), "stop_token_ids"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
+])
+def test_sampling_params_refuse_bad_values_by_name(kwargs, word):
+    with pytest.raises(QuickdraftError, match=word):
+        SamplingParams(**kwargs)
+
+
+def test_tiny_temperatures_are_greedy():
+    assert SamplingParams(temperature=1e-30).greedy and not SamplingParams(temperature=0.01).greedy

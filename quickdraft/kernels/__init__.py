@@ -26,11 +26,16 @@ def _build_dir() -> Path:
     return root / "kernels" / f"torch-{torch.__version__}"
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX); elsewhere bf16 is emulated."""
+    checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    return any(check is not None and check() for check in checks)
+
+
 def cpu_linear():
     if "cpu_linear" in _state:
         return _state["cpu_linear"]
     module = None
-    from quickdraft.models.loader import cpu_has_bf16
 
     if os.environ.get("QUICKDRAFT_NO_KERNELS"):
         reason = "QUICKDRAFT_NO_KERNELS is set"
@@ -51,7 +56,13 @@ def cpu_linear():
                 extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as error:  # no compiler, no ninja, a compile error: fall back, say why once
             reason = f"the build failed ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})"
-    if reason:
+    if reason and cpu_has_bf16() and not os.environ.get("QUICKDRAFT_NO_KERNELS"):
+        # This CPU should have had them: say so visibly, once, with what it costs.
+        log.warning("quickdraft: CPU kernels unavailable, using torch matmuls: %s. bf16 runs slower, and torch "
+                    "rounds a row differently depending on how many rows a call has, so in bf16 greedy speculative "
+                    "output may differ from plain greedy output at near-ties (float32 is unaffected in practice)",
+                    reason)
+    elif reason:
         log.info("quickdraft: CPU kernels unavailable, using torch matmuls: %s", reason)
     _state["cpu_linear"] = module
     _state["cpu_linear_reason"] = reason

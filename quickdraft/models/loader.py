@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from quickdraft.errors import ModelNotFoundError, QuickdraftError
+from quickdraft.kernels import cpu_has_bf16
 
 log = logging.getLogger(__name__)
 
@@ -137,12 +138,6 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX); elsewhere bf16 is emulated."""
-    checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
-    return any(check is not None and check() for check in checks)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

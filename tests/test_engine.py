@@ -89,15 +89,16 @@ def _chi_square_pvalue(samples: Counter, law: dict, n: int) -> float:
     return stats.chisquare(observed, [e * scale for e in expected]).pvalue
 
 
-@pytest.mark.parametrize("seeding", ["llm", "request"], ids=["rejection", "position-noise"])
+@pytest.mark.parametrize("seeding", ["llm", "request"], ids=["llm-seed", "request-seed"])
 @pytest.mark.parametrize("params, method", [
     (dict(temperature=1.0), "draft_model"),
     (dict(temperature=0.8, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5), "draft_model"),
     (dict(temperature=1.2, top_k=5, frequency_penalty=0.6), "ngram"),
 ], ids=["t1-draft", "topp-penalties-draft", "topk-freq-ngram"])
 def test_sampled_first_three_tokens_follow_the_target_law(params, method, seeding):
-    """Chi-square goodness of fit of 3000 speculative and 3000 plain samples against the exact law, with
-    rejection sampling (no request seed) and with position-keyed noise (a request seed).
+    """Chi-square goodness of fit of 3000 speculative and 3000 plain samples against the exact law, seeded by
+    the LLM (each request's noise key drawn from its generator) or by the request: both position-keyed noise.
+    Rejection sampling, and steps with K >= 3, are tested in tests/test_law.py.
     Seeds are fixed; the test fails at p < 1e-4 (false alarm rate 1e-4 per sample set)."""
     n = 3000
     target, draft = tiny_llama(seed=0, vocab_size=8, layers=2), tiny_llama(seed=5, vocab_size=8, layers=2)

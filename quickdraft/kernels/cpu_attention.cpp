@@ -143,6 +143,122 @@ void weighted(int64_t mr, const float* p, int64_t ldp, const c10::BFloat16* v, i
   }
 }
 
+// A run of consecutive rows of a call that belong to one sequence: `rows` tokens from row `offset`, at
+// positions start.., over that sequence's caches of one layer (keys packed [Hkv, cap/16, d/2, 16, 2], values
+// [Hkv, cap, d]); their rotary rows are rows rope_row.. of cos and sin.
+struct Segment {
+  c10::BFloat16* keys;
+  c10::BFloat16* values;
+  int64_t cap, start, rows, offset, rope_row;
+};
+
+// The segment of each row of a call of n rows (segments cover the rows in order).
+std::vector<int64_t> segment_of_rows(const std::vector<Segment>& segments, int64_t n) {
+  std::vector<int64_t> owner(n);
+  for (size_t s = 0; s < segments.size(); ++s)
+    for (int64_t r = 0; r < segments[s].rows; ++r) owner[segments[s].offset + r] = static_cast<int64_t>(s);
+  return owner;
+}
+
+// The segments of a call over several sequences (see attention_segments), checked.
+std::vector<Segment> cache_segments(const char* what, const std::vector<torch::Tensor>& keys,
+                                    const std::vector<torch::Tensor>& values, int64_t layer,
+                                    const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t n,
+                                    int64_t d, int64_t* h_kv) {
+  const size_t count = starts.size();
+  TORCH_CHECK(keys.size() == count && values.size() == count && rows.size() == count && count > 0, what,
+              ": one cache pair, start and row count per sequence");
+  std::vector<Segment> segments;
+  segments.reserve(count);
+  int64_t offset = 0;
+  for (size_t s = 0; s < count; ++s) {
+    const torch::Tensor& k = keys[s];
+    const torch::Tensor& v = values[s];
+    TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 && k.is_contiguous() &&
+                v.is_contiguous() && k.dim() == 6 && v.dim() == 4, what,
+                ": contiguous bf16 caches, keys [layers, Hkv, cap/16, d/2, 16, 2] and values [layers, Hkv, cap, d]");
+    const int64_t cap = v.size(2);
+    if (s == 0) *h_kv = v.size(1);
+    TORCH_CHECK(0 <= layer && layer < v.size(0) && k.size(0) == v.size(0) && k.size(1) == *h_kv &&
+                v.size(1) == *h_kv && k.size(2) * 16 == cap && k.size(3) * 2 == d && v.size(3) == d, what,
+                ": caches of sequence ", s, " do not fit the layer, heads or head_dim");
+    TORCH_CHECK(starts[s] >= 0 && rows[s] >= 0 && starts[s] + rows[s] <= cap, what, ": sequence ", s,
+                " writes or reads past its cache's capacity");
+    const int64_t layer_size = *h_kv * cap * d;
+    segments.push_back(Segment{k.data_ptr<c10::BFloat16>() + layer * layer_size,
+                               v.data_ptr<c10::BFloat16>() + layer * layer_size, cap, starts[s], rows[s], offset,
+                               starts[s]});
+    offset += rows[s];
+  }
+  TORCH_CHECK(offset == n, what, ": the row counts add up to ", offset, ", not to the ", n, " rows given");
+  return segments;
+}
+
+// One token's queries of one kv head (q_row + h d for the group's heads h) at position pos, over the keys j
+// in (pos - window, pos] (window 0: all) of that head; the result goes to out_row + h d. The only code path
+// of attention, whatever the call: a token's result depends on nothing else in it.
+void attend(const c10::BFloat16* q_row, int64_t group, int64_t kv, const c10::BFloat16* keys,
+            const c10::BFloat16* values, int64_t cap, int64_t d, int64_t pos, int64_t window, float s,
+            c10::BFloat16* out_row, std::vector<float>& buffer) {
+  const int64_t half_d = d / 2;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  const int64_t b0 = lo / 16, b1 = pos / 16 + 1, width = (b1 - b0) * 16;
+  const c10::BFloat16* kbase = keys + kv * cap * d;
+  const c10::BFloat16* vbase = values + kv * cap * d;
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+    const int64_t rows = std::min<int64_t>(4, group - g0);
+    const int64_t h0 = kv * group + g0;
+    buffer.resize(rows * width);
+    float* sc = buffer.data();
+    scores(rows, q_row + h0 * d, d, kbase, half_d, b0, b1, s, sc, width);
+    // Softmax over [lo, pos] of each row: 16 lanes at a time from lo, in the same order for any n.
+    const int64_t first = lo - b0 * 16, count = pos - lo + 1;
+    for (int64_t m = 0; m < rows; ++m) {
+      float* row = sc + m * width + first;
+      __m512 top = _mm512_set1_ps(-INFINITY);
+      for (int64_t j = 0; j < count; j += 16)
+        top = _mm512_mask_max_ps(top, tail_mask(count - j), top, _mm512_loadu_ps(row + j));
+      const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t j = 0; j < count; j += 16) {
+        const __mmask16 mask = tail_mask(count - j);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + j), peak));
+        total = _mm512_mask_add_ps(total, mask, total, e);
+        _mm512_mask_storeu_ps(row + j, mask, e);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+      for (int64_t j = 0; j < count; j += 16) {
+        const __mmask16 mask = tail_mask(count - j);
+        _mm512_mask_storeu_ps(row + j, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + j), inv));
+      }
+    }
+    // Probabilities are indexed from b0 * 16; the keys they weight are [lo, pos].
+    weighted(rows, sc - b0 * 16, width, vbase, d, lo, pos, out_row + h0 * d, d);
+  }
+}
+
+// The attention of every row of q [n, >=Hq, d] (d contiguous, head stride d) in its segment, [n, Hq d] out.
+torch::Tensor attention_rows(const torch::Tensor& q, int64_t num_q_heads, int64_t h_kv,
+                             const std::vector<Segment>& segments, int64_t window, double scale) {
+  const int64_t n = q.size(0), d = q.size(2), group = num_q_heads / h_kv, q_stride = q.stride(0);
+  auto out = torch::empty({n, num_q_heads * d}, q.options());
+  const std::vector<int64_t> owner = segment_of_rows(segments, n);
+  const auto* qp = q.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const float s = static_cast<float>(scale);
+  // A task is one token's queries of one kv head: they see the same keys, and their scores share each load.
+  at::parallel_for(0, n * h_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / h_kv, kv = task % h_kv;
+      const Segment& seg = segments[owner[i]];
+      attend(qp + i * q_stride, group, kv, seg.keys, seg.values, seg.cap, d, seg.start + i - seg.offset, window, s,
+             op + i * num_q_heads * d, buffer);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 // q: [n, >=Hq, d] (row stride q_stride elements, head stride d); keys: [Hkv, cap/16, d/2, 16, 2] (packed, see
@@ -158,57 +274,29 @@ torch::Tensor attention(const torch::Tensor& q, int64_t num_q_heads, const torch
   const int64_t n = q.size(0), d = q.size(2), h_kv = keys.size(0), cap = values.size(1);
   TORCH_CHECK(d % 16 == 0 && keys.size(2) * 2 == d && keys.size(1) * 16 == cap && values.size(2) == d,
               "attention: head_dim must be a multiple of 16, keys and values of the same capacity");
-  TORCH_CHECK(num_q_heads % h_kv == 0 && start + n <= cap, "attention: bad heads or positions");
-  const int64_t group = num_q_heads / h_kv, q_stride = q.stride(0), half_d = d / 2;
-  auto out = torch::empty({n, num_q_heads * d}, q.options());
-  const auto* qp = q.data_ptr<c10::BFloat16>();
-  const auto* kp = keys.data_ptr<c10::BFloat16>();
-  const auto* vp = values.data_ptr<c10::BFloat16>();
-  auto* op = out.data_ptr<c10::BFloat16>();
-  const float s = static_cast<float>(scale);
-  // A task is one token's queries of one kv head: they see the same keys, and their scores share each load.
-  at::parallel_for(0, n * h_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / h_kv, kv = task % h_kv;
-      const int64_t pos = start + i;
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      const int64_t b0 = lo / 16, b1 = pos / 16 + 1, width = (b1 - b0) * 16;
-      const c10::BFloat16* kbase = kp + kv * cap * d;
-      const c10::BFloat16* vbase = vp + kv * cap * d;
-      for (int64_t g0 = 0; g0 < group; g0 += 4) {
-        const int64_t rows = std::min<int64_t>(4, group - g0);
-        const int64_t h0 = kv * group + g0;
-        buffer.resize(rows * width);
-        float* sc = buffer.data();
-        scores(rows, qp + i * q_stride + h0 * d, d, kbase, half_d, b0, b1, s, sc, width);
-        // Softmax over [lo, pos] of each row: 16 lanes at a time from lo, in the same order for any n.
-        const int64_t first = lo - b0 * 16, count = pos - lo + 1;
-        for (int64_t m = 0; m < rows; ++m) {
-          float* row = sc + m * width + first;
-          __m512 top = _mm512_set1_ps(-INFINITY);
-          for (int64_t j = 0; j < count; j += 16)
-            top = _mm512_mask_max_ps(top, tail_mask(count - j), top, _mm512_loadu_ps(row + j));
-          const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-          __m512 total = _mm512_setzero_ps();
-          for (int64_t j = 0; j < count; j += 16) {
-            const __mmask16 mask = tail_mask(count - j);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + j), peak));
-            total = _mm512_mask_add_ps(total, mask, total, e);
-            _mm512_mask_storeu_ps(row + j, mask, e);
-          }
-          const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-          for (int64_t j = 0; j < count; j += 16) {
-            const __mmask16 mask = tail_mask(count - j);
-            _mm512_mask_storeu_ps(row + j, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row + j), inv));
-          }
-        }
-        // Probabilities are indexed from b0 * 16; the keys they weight are [lo, pos].
-        weighted(rows, sc - b0 * 16, width, vbase, d, lo, pos, op + i * num_q_heads * d + h0 * d, d);
-      }
-    }
-  });
-  return out;
+  TORCH_CHECK(num_q_heads % h_kv == 0 && start >= 0 && start + n <= cap, "attention: bad heads or positions");
+  return attention_rows(q, num_q_heads, h_kv,
+                        {Segment{keys.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>(), cap, start, n, 0, 0}},
+                        window, scale);
+}
+
+// The attention of one layer for a call over several sequences: q [n, >=Hq, d] holds rows[s] queries of
+// sequence s after those of sequences < s, at positions starts[s].., over keys[s] [layers, Hkv, cap/16, d/2,
+// 16, 2] and values[s] [layers, Hkv, cap, d] at `layer`. Each row is computed exactly as `attention` computes
+// it for its sequence alone (the same code per token), in one parallel loop over all rows.
+torch::Tensor attention_segments(const torch::Tensor& q, int64_t num_q_heads, const std::vector<torch::Tensor>& keys,
+                                 const std::vector<torch::Tensor>& values, int64_t layer,
+                                 const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t window,
+                                 double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "attention_segments: bf16 q expected");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "attention_segments: q must be [n, H, d] with d contiguous");
+  const int64_t d = q.size(2);
+  int64_t h_kv = 0;
+  const std::vector<Segment> segments = cache_segments("attention_segments", keys, values, layer, starts, rows,
+                                                       q.size(0), d, &h_kv);
+  TORCH_CHECK(d % 16 == 0 && h_kv > 0 && num_q_heads % h_kv == 0, "attention_segments: bad heads or head_dim");
+  return attention_rows(q, num_q_heads, h_kv, segments, window, scale);
 }
 
 // RMSNorm of each row of x [rows, H] (contiguous), bf16 out. weight: [R, H] (row r of x uses weight row
@@ -248,39 +336,33 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return y;
 }
 
-// One layer's queries and keys after their projection: optional per-head RMSNorm (Gemma 3, Qwen3; weight
-// float32 [Hq + Hkv, d]), rotary embedding (cos, sin [n, d] bf16, sin's first half negated so that
-// rotate_half(x) * sin == roll(x, d/2) * sin), keys and values written to the caches at start .. start+n-1
-// (keys packed [Hkv, cap/16, d/2, 16, 2], values [Hkv, cap, d]).
-// qkv: [n, (Hq + 2 Hkv) d] contiguous. Returns the roped queries [n, Hq, d].
-torch::Tensor rope_and_cache(const torch::Tensor& qkv, int64_t num_q_heads, const torch::Tensor& qk_norm,
-                             double eps, const torch::Tensor& cos, const torch::Tensor& sin,
-                             torch::Tensor& keys, torch::Tensor& values, int64_t start) {
-  TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kBFloat16, "rope_and_cache: contiguous bf16 qkv");
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.dim() == 5 && values.dim() == 3,
-              "rope_and_cache: contiguous caches, keys packed [Hkv, cap/16, d/2, 16, 2], values [Hkv, cap, d]");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "rope_and_cache: contiguous cos/sin");
-  const int64_t n = qkv.size(0), h_kv = values.size(0), cap = values.size(1), d = values.size(2);
-  const int64_t heads = num_q_heads + h_kv, half = d / 2;
-  TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * h_kv) * d && d % 2 == 0 && start + n <= cap &&
-              keys.size(1) * 16 == cap && keys.size(2) * 2 == d, "rope_and_cache: bad shapes");
+namespace {
+
+// rope_and_cache of every row of qkv [n, (Hq + 2 Hkv) d] in its segment: row i of the call is token
+// i - offset of its segment, at position start + i - offset, with rotary rows rope_row + i - offset.
+torch::Tensor rope_rows(const torch::Tensor& qkv, int64_t num_q_heads, int64_t h_kv, int64_t d,
+                        const torch::Tensor& qk_norm, double eps, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const std::vector<Segment>& segments) {
+  const int64_t n = qkv.size(0), heads = num_q_heads + h_kv, half = d / 2;
   const bool norm = qk_norm.defined() && qk_norm.numel() > 0;
   auto q = torch::empty({n, num_q_heads, d}, qkv.options());
+  const std::vector<int64_t> owner = segment_of_rows(segments, n);
   const auto* src = qkv.data_ptr<c10::BFloat16>();
   const auto* cp = cos.data_ptr<c10::BFloat16>();
   const auto* sp = sin.data_ptr<c10::BFloat16>();
   const float* wp = norm ? qk_norm.data_ptr<float>() : nullptr;
   auto* qp = q.data_ptr<c10::BFloat16>();
-  auto* kp = keys.data_ptr<c10::BFloat16>();
-  auto* vp = values.data_ptr<c10::BFloat16>();
   at::parallel_for(0, n * (heads + h_kv), 8, [&](int64_t begin, int64_t end) {
     std::vector<float> x(d);
     std::vector<c10::BFloat16> roped(d);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / (heads + h_kv), h = task % (heads + h_kv);
+      const Segment& seg = segments[owner[i]];
+      const int64_t p = seg.start + i - seg.offset;  // the token's position
+      const int64_t cap = seg.cap;
       const c10::BFloat16* row = src + i * (heads + h_kv) * d + h * d;
       if (h >= heads) {  // a value head: copied to the cache as is
-        std::memcpy(vp + ((h - heads) * cap + start + i) * d, row, d * sizeof(c10::BFloat16));
+        std::memcpy(seg.values + ((h - heads) * cap + p) * d, row, d * sizeof(c10::BFloat16));
         continue;
       }
       for (int64_t c = 0; c < d; ++c) x[c] = static_cast<float>(row[c]);
@@ -291,16 +373,15 @@ torch::Tensor rope_and_cache(const torch::Tensor& qkv, int64_t num_q_heads, cons
         // Rounded to bf16 after the weight, as the model's norm does before rope.
         for (int64_t c = 0; c < d; ++c) x[c] = static_cast<float>(c10::BFloat16(x[c] * inv * wp[h * d + c]));
       }
-      const c10::BFloat16* cr = cp + i * d;
-      const c10::BFloat16* sr = sp + i * d;
+      const c10::BFloat16* cr = cp + (seg.rope_row + i - seg.offset) * d;
+      const c10::BFloat16* sr = sp + (seg.rope_row + i - seg.offset) * d;
       c10::BFloat16* dst = h < num_q_heads ? qp + (i * num_q_heads + h) * d : roped.data();
       for (int64_t c = 0; c < d; ++c) {
         const float rotated = x[c < half ? c + half : c - half];
         dst[c] = c10::BFloat16(x[c] * static_cast<float>(cr[c]) + rotated * static_cast<float>(sr[c]));
       }
       if (h >= num_q_heads) {  // a key: element c of position p at ((p / 16) * d/2 + c / 2) * 32 + (p % 16) * 2 + c % 2
-        const int64_t p = start + i;
-        c10::BFloat16* block = kp + (h - num_q_heads) * cap * d + (p / 16) * half * 32 + (p % 16) * 2;
+        c10::BFloat16* block = seg.keys + (h - num_q_heads) * cap * d + (p / 16) * half * 32 + (p % 16) * 2;
         for (int64_t c = 0; c < d; c += 2) {
           block[(c / 2) * 32] = roped[c];
           block[(c / 2) * 32 + 1] = roped[c + 1];
@@ -309,6 +390,62 @@ torch::Tensor rope_and_cache(const torch::Tensor& qkv, int64_t num_q_heads, cons
     }
   });
   return q;
+}
+
+void check_rope_inputs(const char* what, const torch::Tensor& qkv, const torch::Tensor& qk_norm,
+                       const torch::Tensor& cos, const torch::Tensor& sin, int64_t num_q_heads, int64_t h_kv,
+                       int64_t d) {
+  TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kBFloat16 && qkv.dim() == 2, what,
+              ": contiguous bf16 qkv [n, (Hq + 2 Hkv) d]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kBFloat16 &&
+              sin.scalar_type() == at::kBFloat16 && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == d,
+              what, ": contiguous bf16 cos/sin [rows, d]");
+  TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * h_kv) * d && d % 2 == 0, what, ": bad shapes");
+  TORCH_CHECK(!(qk_norm.defined() && qk_norm.numel() > 0) ||
+              (qk_norm.scalar_type() == at::kFloat && qk_norm.is_contiguous() &&
+               qk_norm.numel() == (num_q_heads + h_kv) * d), what, ": qk_norm must be float32 [Hq + Hkv, d]");
+}
+
+}  // namespace
+
+// One layer's queries and keys after their projection: optional per-head RMSNorm (Gemma 3, Qwen3; weight
+// float32 [Hq + Hkv, d]), rotary embedding (cos, sin [n, d] bf16, sin's first half negated so that
+// rotate_half(x) * sin == roll(x, d/2) * sin), keys and values written to the caches at start .. start+n-1
+// (keys packed [Hkv, cap/16, d/2, 16, 2], values [Hkv, cap, d]).
+// qkv: [n, (Hq + 2 Hkv) d] contiguous. Returns the roped queries [n, Hq, d].
+torch::Tensor rope_and_cache(const torch::Tensor& qkv, int64_t num_q_heads, const torch::Tensor& qk_norm,
+                             double eps, const torch::Tensor& cos, const torch::Tensor& sin,
+                             torch::Tensor& keys, torch::Tensor& values, int64_t start) {
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.dim() == 5 && values.dim() == 3 &&
+              keys.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kBFloat16,
+              "rope_and_cache: contiguous caches, keys packed [Hkv, cap/16, d/2, 16, 2], values [Hkv, cap, d]");
+  const int64_t n = qkv.size(0), h_kv = values.size(0), cap = values.size(1), d = values.size(2);
+  check_rope_inputs("rope_and_cache", qkv, qk_norm, cos, sin, num_q_heads, h_kv, d);
+  TORCH_CHECK(start >= 0 && start + n <= cap && keys.size(0) == h_kv && keys.size(1) * 16 == cap &&
+              keys.size(2) * 2 == d && cos.size(0) >= n, "rope_and_cache: bad shapes");
+  return rope_rows(qkv, num_q_heads, h_kv, d, qk_norm, eps, cos, sin,
+                   {Segment{keys.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>(), cap, start, n, 0, 0}});
+}
+
+// rope_and_cache of one layer for a call over several sequences: qkv holds rows[s] tokens of sequence s after
+// those of sequences < s, at positions starts[s].., written to keys[s] [layers, Hkv, cap/16, d/2, 16, 2] and
+// values[s] [layers, Hkv, cap, d] at `layer`. cos and sin are whole tables [>= every end, d], indexed by
+// position. Each row is computed exactly as rope_and_cache computes it for its sequence alone.
+torch::Tensor rope_and_cache_segments(const torch::Tensor& qkv, int64_t num_q_heads, const torch::Tensor& qk_norm,
+                                      double eps, const torch::Tensor& cos, const torch::Tensor& sin,
+                                      const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                                      int64_t layer, const std::vector<int64_t>& starts,
+                                      const std::vector<int64_t>& rows) {
+  TORCH_CHECK(!values.empty() && values[0].dim() == 4, "rope_and_cache_segments: values [layers, Hkv, cap, d]");
+  const int64_t d = values[0].size(3);
+  int64_t h_kv = 0;
+  const std::vector<Segment> segments = cache_segments("rope_and_cache_segments", keys, values, layer, starts, rows,
+                                                       qkv.size(0), d, &h_kv);
+  check_rope_inputs("rope_and_cache_segments", qkv, qk_norm, cos, sin, num_q_heads, h_kv, d);
+  for (const Segment& seg : segments)
+    TORCH_CHECK(seg.rope_row + seg.rows <= cos.size(0), "rope_and_cache_segments: cos/sin tables end at ",
+                cos.size(0), ", before position ", seg.rope_row + seg.rows);
+  return rope_rows(qkv, num_q_heads, h_kv, d, qk_norm, eps, cos, sin, segments);
 }
 
 // act(gate) * up for gate_up [n, 2F] (gate first): SiLU (Llama) or tanh-approximated GELU (Gemma), 16 lanes

@@ -21,6 +21,15 @@ torch::Tensor rope_and_cache(const torch::Tensor& qkv, int64_t num_q_heads, cons
                              double eps, const torch::Tensor& cos, const torch::Tensor& sin,
                              torch::Tensor& keys, torch::Tensor& values, int64_t start);
 torch::Tensor gated_activation(const torch::Tensor& gate_up, bool gelu_tanh);
+torch::Tensor attention_segments(const torch::Tensor& q, int64_t num_q_heads, const std::vector<torch::Tensor>& keys,
+                                 const std::vector<torch::Tensor>& values, int64_t layer,
+                                 const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t window,
+                                 double scale);
+torch::Tensor rope_and_cache_segments(const torch::Tensor& qkv, int64_t num_q_heads, const torch::Tensor& qk_norm,
+                                      double eps, const torch::Tensor& cos, const torch::Tensor& sin,
+                                      const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                                      int64_t layer, const std::vector<int64_t>& starts,
+                                      const std::vector<int64_t>& rows);
 
 namespace {
 
@@ -73,14 +82,53 @@ class Decoder {
     TORCH_CHECK(x.is_contiguous() && x.dim() == 2, "Decoder.forward: contiguous [n, hidden] x");
     TORCH_CHECK(keys.size(0) == static_cast<int64_t>(layers_.size()) && values.size(0) == keys.size(0),
                 "Decoder.forward: one cache slice per layer");
+    check_ropes("Decoder.forward", cos, sin);
+    return run(x, [&](size_t index, const Layer& layer, const torch::Tensor& qkv) {
+      torch::Tensor layer_keys = keys.select(0, index), layer_values = values.select(0, index);
+      torch::Tensor q = rope_and_cache(qkv, num_q_heads_, layer.qk_norm, eps_, cos[layer.rope], sin[layer.rope],
+                                       layer_keys, layer_values, start);
+      return attention(q, num_q_heads_, layer_keys, layer_values, start, layer.window, scale_);
+    });
+  }
+
+  // One forward over several sequences (continuous batching): x [n, hidden] holds rows[s] new tokens of
+  // sequence s after those of sequences < s (updated in place and returned); keys[s] [layers, Hkv, cap/16,
+  // d/2, 16, 2] and values[s] [layers, Hkv, cap, d] are sequence s's caches, its tokens at starts[s]...;
+  // cos[r], sin[r]: whole rotary tables of rope kind r, indexed by position (rows up to every sequence's end).
+  // Linear layers, norms and the activation take all n rows in one call (the weights are read once per
+  // layer for the whole batch); rotary embedding, the cache write and attention run on each row in its own
+  // sequence. Every kernel computes a row alike whatever the other rows, so row for row the result is
+  // bitwise that of `forward` for each sequence alone (int8 linear layers: below 32 rows in all, see
+  // cpu_linear.cpp).
+  torch::Tensor forward_batch(torch::Tensor x, const std::vector<torch::Tensor>& keys,
+                              const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
+                              const std::vector<int64_t>& rows, const std::vector<torch::Tensor>& cos,
+                              const std::vector<torch::Tensor>& sin) const {
+    TORCH_CHECK(x.is_contiguous() && x.dim() == 2, "Decoder.forward_batch: contiguous [n, hidden] x");
+    for (size_t s = 0; s < keys.size(); ++s)
+      TORCH_CHECK(keys[s].size(0) == static_cast<int64_t>(layers_.size()) && values.size() == keys.size() &&
+                  values[s].size(0) == keys[s].size(0), "Decoder.forward_batch: one cache slice per layer");
+    check_ropes("Decoder.forward_batch", cos, sin);
+    return run(x, [&](size_t index, const Layer& layer, const torch::Tensor& qkv) {
+      const int64_t i = static_cast<int64_t>(index);
+      torch::Tensor q = rope_and_cache_segments(qkv, num_q_heads_, layer.qk_norm, eps_, cos[layer.rope],
+                                                sin[layer.rope], keys, values, i, starts, rows);
+      return attention_segments(q, num_q_heads_, keys, values, i, starts, rows, layer.window, scale_);
+    });
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  // The layer loop; attend(index, layer, qkv) writes the layer's keys and values and returns the attention
+  // output [n, Hq d] that the output projection takes.
+  template <typename Attend>
+  torch::Tensor run(torch::Tensor x, const Attend& attend) const {
     const bool llama_norm = !gemma_;
     for (size_t index = 0; index < layers_.size(); ++index) {
       const Layer& layer = layers_[index];
-      torch::Tensor layer_keys = keys.select(0, index), layer_values = values.select(0, index);
       torch::Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm, eps_, llama_norm));
-      torch::Tensor q = rope_and_cache(qkv, num_q_heads_, layer.qk_norm, eps_, cos[layer.rope], sin[layer.rope],
-                                       layer_keys, layer_values, start);
-      torch::Tensor attn = layer.o(attention(q, num_q_heads_, layer_keys, layer_values, start, layer.window, scale_));
+      torch::Tensor attn = layer.o(attend(index, layer, qkv));
       if (layer.post_attn_norm.defined()) attn = rms_norm(attn, layer.post_attn_norm, eps_, false);
       x.add_(attn);  // the residual sum, rounded to bf16 as the model's `x + attn` is
       torch::Tensor mlp = layer.down(gated_activation(layer.gate_up(rms_norm(x, layer.pre_mlp_norm, eps_, llama_norm)),
@@ -91,9 +139,12 @@ class Decoder {
     return x;
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  void check_ropes(const char* what, const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin) const {
+    for (const Layer& layer : layers_)
+      TORCH_CHECK(layer.rope >= 0 && layer.rope < static_cast<int64_t>(cos.size()) && cos.size() == sin.size(), what,
+                  ": one cos/sin pair per rope kind");
+  }
 
- private:
   int64_t num_q_heads_;
   double eps_, scale_;
   bool gemma_, gelu_tanh_;
@@ -108,6 +159,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "causal (optionally sliding-window) attention of a decoding step, packed keys");
   m.def("rms_norm", &rms_norm, "RMSNorm, Llama or Gemma rounding");
   m.def("rope_and_cache", &rope_and_cache, "per-head norm, rotary embedding, and the KV cache write of a layer");
+  m.def("attention_segments", &attention_segments, "attention of one layer over the rows of several sequences");
+  m.def("rope_and_cache_segments", &rope_and_cache_segments,
+        "rope_and_cache of one layer over the rows of several sequences, each into its own cache");
   m.def("gated_activation", &gated_activation, "act(gate) * up (SiLU or tanh GELU)");
   m.def("linear_bf16", &linear_bf16, "y = x w^T, bf16, batch-invariant (AMX tiles when use_amx and K % 32 == 0)");
   m.def("amx_available", &amx_available, "whether this process may use AMX tiles");
@@ -116,5 +170,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, double, double, bool, bool>())
       .def("add_layer", &Decoder::add_layer)
       .def("forward", &Decoder::forward)
+      .def("forward_batch", &Decoder::forward_batch)
       .def_property_readonly("num_layers", &Decoder::num_layers);
 }

@@ -3,7 +3,9 @@
 Built from a loaded transformers model (so every source the loader accepts works, GGUF included): the
 weights are taken once into fused matrices (q|k|v and gate|up), and a forward is a short loop of tensor
 operations over a static KV cache that each sequence preallocates. Rolling back rejected draft tokens
-is a change of length; nothing is copied or recomputed.
+is a change of length; nothing is copied or recomputed. forward_batch runs one forward over several
+sequences (continuous batching): every linear layer, norm and activation takes all their rows in one call,
+while rotary embedding, the cache write and attention run per sequence on its own cache.
 
 Why not the transformers forward: per layer it dispatches through dozens of modules, builds masks and
 cache updates in Python, and uses scaled_dot_product_attention, whose CPU kernel splits its work by the
@@ -32,6 +34,7 @@ from quickdraft.cache import SequenceCache
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.families import FAMILIES, NO_ROPE, STATIC_ROPE_TYPES, FamilySettings, sliding_window, \
     unsupported_reason
+from quickdraft.models.runner import check_batch
 
 SUPPORTED = set(FAMILIES)
 
@@ -412,37 +415,56 @@ class NativeRunner:
         attn = probs.view(h_kv, group * n, end) @ values
         return attn.view(h_kv, group, n, d).permute(2, 0, 1, 3).reshape(n, h_q * d)
 
-    def _layers(self, x: torch.Tensor, cache: StaticSequenceCache, start: int, end: int) -> torch.Tensor:
-        """The decoder layers in Python: the kernels one by one where they apply, torch ops elsewhere."""
+    def _layers(self, x: torch.Tensor, caches: list[StaticSequenceCache], starts: list[int],
+                counts: list[int]) -> torch.Tensor:
+        """The decoder layers in Python: the kernels one by one where they apply, torch ops elsewhere.
+        x: [num_tokens, hidden], the counts[i] rows of sequence i (at positions starts[i]..) after those of the
+        sequences before it. Linear layers, norms and the activation take all rows at once; the cache write and
+        attention run per sequence, on its own cache."""
         n = x.shape[0]
-        keys_all, values_all = cache.keys, cache.values
         h_q, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        ends = [start + count for start, count in zip(starts, counts)]
+        bounds = [0]  # rows of sequence i: bounds[i]:bounds[i + 1]
+        for count in counts:
+            bounds.append(bounds[-1] + count)
+        keys_list, values_list = [cache.keys for cache in caches], [cache.values for cache in caches]
         ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        masks: dict[int | None, torch.Tensor] = {}
+        masks: list[dict[int | None, torch.Tensor]] = [{} for _ in caches]  # per sequence, per window
         fast = self._cpu_kernels
         norm = self._norm
         for index, layer in enumerate(self.layers):
             if layer.rope not in ropes:
-                cos, sin = self._rope(layer.rope, end)
-                ropes[layer.rope] = (cos[start:end], sin[start:end])
+                cos, sin = self._rope(layer.rope, max(ends))
+                if fast is None:  # the rows of every token's position: [num_tokens, head_dim]
+                    cos = torch.cat([cos[start:end] for start, end in zip(starts, ends)]) if len(caches) > 1 \
+                        else cos[starts[0]:ends[0]]
+                    sin = torch.cat([sin[start:end] for start, end in zip(starts, ends)]) if len(caches) > 1 \
+                        else sin[starts[0]:ends[0]]
+                ropes[layer.rope] = (cos, sin)  # the kernels take whole tables, indexed by position
             cos_rows, sin_rows = ropes[layer.rope]
 
-            qkv = layer.qkv(norm(x, layer.input_norm))
-            keys, values = keys_all[index], values_all[index]
+            qkv = layer.qkv(norm(x, layer.input_norm))  # [num_tokens, (Hq + 2 Hkv) * head_dim]
             if fast is not None:
-                q = fast.rope_and_cache(qkv, h_q, self._no_tensor if layer.qk_norm is None else layer.qk_norm,
-                                        self.eps, cos_rows, sin_rows, keys, values, start)
-                attn = fast.attention(q, h_q, keys, values, start, layer.sliding_window or 0, self.scale)
+                q = fast.rope_and_cache_segments(qkv, h_q, self._no_tensor if layer.qk_norm is None else layer.qk_norm,
+                                                 self.eps, cos_rows, sin_rows, keys_list, values_list, index, starts,
+                                                 counts)  # [num_tokens, Hq, head_dim]
+                attn = fast.attention_segments(q, h_q, keys_list, values_list, index, starts, counts,
+                                               layer.sliding_window or 0, self.scale)  # [num_tokens, Hq * head_dim]
             else:
                 qk = qkv[:, : (h_q + h_kv) * d].view(n, h_q + h_kv, d)  # queries and keys, roped together
                 if layer.qk_norm is not None:
                     qk = norm(qk.contiguous(), layer.qk_norm, gemma_style=True)
                 # rotate_half(x) * sin == roll(x, d/2) * sin_signed (sin with its first half negated): exact.
                 qk = qk * cos_rows[:, None] + qk.roll(d // 2, -1) * sin_rows[:, None]
-                keys[:, start:end] = qk[:, h_q:].transpose(0, 1)
-                values[:, start:end] = qkv[:, (h_q + h_kv) * d:].view(n, h_kv, d).transpose(0, 1)
-                attn = self._attention(qk[:, :h_q], keys[:, :end], values[:, :end], start, layer.sliding_window,
-                                       masks)
+                parts = []
+                for i, (start, end) in enumerate(zip(starts, ends)):
+                    lo, hi = bounds[i], bounds[i + 1]
+                    keys, values = keys_list[i][index], values_list[i][index]
+                    keys[:, start:end] = qk[lo:hi, h_q:].transpose(0, 1)
+                    values[:, start:end] = qkv[lo:hi, (h_q + h_kv) * d:].view(hi - lo, h_kv, d).transpose(0, 1)
+                    parts.append(self._attention(qk[lo:hi, :h_q], keys[:, :end], values[:, :end], start,
+                                                 layer.sliding_window, masks[i]))
+                attn = parts[0] if len(parts) == 1 else torch.cat(parts)  # [num_tokens, Hq * head_dim]
             attn = layer.o(attn)
             if layer.post_attn_norm is not None:
                 attn = norm(attn, layer.post_attn_norm)
@@ -459,34 +481,58 @@ class NativeRunner:
             x = x + mlp
         return x
 
-    @torch.inference_mode()
     def forward(self, cache: StaticSequenceCache, tokens: torch.Tensor, num_logits: int = 1,
                 use_decoder: bool = True) -> torch.Tensor:
         """Append `tokens` [n] at positions len(cache)... and return the float32 logits of the last
-        `num_logits` inputs, [num_logits, V]. use_decoder=False runs the layer loop in Python even where the
-        C++ loop could (the same kernels, so the same bits; for tests)."""
-        tokens = tokens.reshape(-1).to(self.device)
-        n, start = tokens.shape[0], len(cache)
-        end = start + n
-        if end > self.max_len:
-            raise QuickdraftError(f"{self.name}: sequence of {end} tokens exceeds the context of {self.max_len}; "
-                                  "shorten the prompt or max_tokens")
-        cache.reserve(end)
-        x = F.embedding(tokens, self.embed)
+        `num_logits` inputs, [num_logits, V]: forward_batch of one sequence. use_decoder=False runs the layer
+        loop in Python even where the C++ loop could (the same kernels, so the same bits; for tests)."""
+        return self.forward_batch([cache], [tokens], [num_logits], use_decoder=use_decoder)
+
+    @torch.inference_mode()
+    def forward_batch(self, caches: list[StaticSequenceCache], tokens: list[torch.Tensor], num_logits: list[int],
+                      use_decoder: bool = True) -> torch.Tensor:
+        """One forward over several sequences (continuous batching): sequence i appends tokens[i] [n_i]
+        (n_i >= 1) at positions len(caches[i]).., and the result is the float32 logits of the last
+        num_logits[i] (0..n_i) inputs of each sequence, concatenated in order: [sum(num_logits), V].
+
+        All rows of all sequences go through each linear layer, norm and activation as one call (the weights
+        are read once per step for the whole batch); rotary embedding, the cache write and attention run per
+        sequence, on its own cache, positions and window. On the CPU kernels every row is computed alike
+        whatever the other rows, so each sequence's logits and cache are bitwise those of `forward` on it
+        alone (int8 linear layers: while the batch has fewer than 32 rows, see kernels/cpu_linear.cpp)."""
+        flat = check_batch(self, caches, tokens, num_logits)  # before any cache changes
+        counts = [ids.shape[0] for ids in flat]
+        starts = [len(cache) for cache in caches]
+        ends = [start + count for start, count in zip(starts, counts)]
+        ids = (flat[0] if len(flat) == 1 else torch.cat(flat)).to(self.device)  # [num_tokens]
+        for cache, end in zip(caches, ends):
+            cache.reserve(end)
+        x = F.embedding(ids, self.embed)  # [num_tokens, hidden]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         decoder = self._native_decoder() if use_decoder else None
         if decoder is not None:
             decoder, kinds = decoder
-            tables = [self._rope(kind, end) for kind in kinds]
-            x = decoder.forward(x, cache.keys, cache.values, start, [cos[start:end] for cos, _ in tables],
-                                [sin[start:end] for _, sin in tables])
+            tables = [self._rope(kind, max(ends)) for kind in kinds]  # whole tables, indexed by position
+            x = decoder.forward_batch(x, [cache.keys for cache in caches], [cache.values for cache in caches],
+                                      starts, counts, [cos for cos, _ in tables], [sin for _, sin in tables])
         else:
-            x = self._layers(x, cache, start, end)
+            x = self._layers(x, caches, starts, counts)
 
-        cache.record(tokens)
+        for cache, part in zip(caches, ids.split(counts) if len(caches) > 1 else (ids,)):
+            cache.record(part)
         self.forwards += 1
-        logits = self.lm_head(self._norm(x[n - num_logits:].contiguous(), self.final_norm)).float()
+        # The final norm and the output head on the selected rows only: the last num_logits[i] of sequence i.
+        if len(caches) == 1:
+            rows = x[counts[0] - int(num_logits[0]):]
+        else:
+            bounds = [0]
+            for count in counts:
+                bounds.append(bounds[-1] + count)
+            rows = torch.cat([x[hi - int(k):hi] for hi, k in zip(bounds[1:], num_logits)])
+        if rows.shape[0] == 0:
+            return torch.zeros((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        logits = self.lm_head(self._norm(rows.contiguous(), self.final_norm)).float()  # [sum(num_logits), vocab]
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -1,13 +1,15 @@
 """Model runners: a causal LM behind one small interface, run one sequence at a time with its own cache.
 
-A runner is stateless across sequences; each sequence owns a SequenceCache. The batch dimension of the
-model call is kept (size 1 today) so that batching requests changes the runner, not its callers.
+A runner is stateless across sequences; each sequence owns a SequenceCache. forward_batch takes several
+sequences at once (one model call for all on the native runner; here, one call per sequence behind the same
+interface), so that batching requests changes the runner, not its callers.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -16,8 +18,43 @@ from quickdraft.cache import SequenceCache
 from quickdraft.errors import QuickdraftError
 
 
+@runtime_checkable
+class Runner(Protocol):
+    """What the engine and the drafts use of a model: quickdraft's native decoder (models/native.py) and the
+    transformers forward (HFRunner) both provide it."""
+
+    name: str
+    vocab_size: int
+    max_len: int
+    forwards: int  # model calls so far, for metrics
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def new_cache(self) -> SequenceCache: ...
+
+    def forward(self, cache: SequenceCache, tokens: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
+        """Append tokens [n] to the sequence; float32 logits of the last num_logits inputs [num_logits, V]."""
+
+    def forward_batch(self, caches: list[SequenceCache], tokens: list[torch.Tensor],
+                      num_logits: list[int]) -> torch.Tensor:
+        """Several sequences in one step; their logits concatenated in order, [sum(num_logits), V]."""
+
+    def truncated(self, num_layers: int) -> "Runner":
+        """The first num_layers layers, final norm and head, sharing this runner's weights (a self-draft)."""
+
+    def quantized(self, scheme: str) -> "Runner":
+        """A weight-only quantized copy (a self-draft), or a QuickdraftError where the runner has none."""
+
+
 class HFRunner:
-    """Any transformers causal LM, with an incremental DynamicCache per sequence."""
+    """Any transformers causal LM, with an incremental DynamicCache per sequence (a Runner)."""
 
     def __init__(self, model: nn.Module, name: str = "model"):
         self.model = model
@@ -46,6 +83,13 @@ class HFRunner:
     def new_cache(self) -> SequenceCache:
         return SequenceCache()
 
+    def truncated(self, num_layers: int) -> "HFRunner":
+        return HFRunner(truncated_view(self.model, num_layers), name=f"{self.name}[:{num_layers} layers]")
+
+    def quantized(self, scheme: str) -> "HFRunner":
+        raise QuickdraftError(f"{self.name}: quantization {scheme!r} needs the native runner, which this "
+                              "architecture lacks; drop the quantization or pick another draft")
+
     @torch.inference_mode()
     def forward(self, cache: SequenceCache, tokens: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
         """Append `tokens` [n] at positions len(cache)... and return the logits of the last `num_logits`
@@ -58,6 +102,46 @@ class HFRunner:
         cache.record(tokens)
         self.forwards += 1
         return out.logits[0, -num_logits:].float()
+
+    def forward_batch(self, caches: list[SequenceCache], tokens: list[torch.Tensor],
+                      num_logits: list[int]) -> torch.Tensor:
+        """forward over several sequences, as NativeRunner.forward_batch: sequence i appends tokens[i] [n_i]
+        and gives the logits of its last num_logits[i] inputs; returns them concatenated in order,
+        [sum(num_logits), V] float32. Here one model call per sequence (batch 1 behind the batched interface)."""
+        flat = check_batch(self, caches, tokens, num_logits)
+        parts = []
+        for cache, ids, k in zip(caches, flat, num_logits):
+            logits = self.forward(cache, ids, max(int(k), 1))  # [max(k, 1), vocab]: transformers reads 0 as "all"
+            parts.append(logits[logits.shape[0] - int(k):])  # [k, vocab]
+        return torch.cat(parts)  # [sum(num_logits), vocab]
+
+
+def check_batch(runner, caches: list, tokens: list, num_logits: list) -> list[torch.Tensor]:
+    """What a runner's forward_batch checks before it changes any cache: one token tensor [n_i] (n_i >= 1) and
+    one num_logits (0 <= k_i <= n_i) per cache, no cache twice, and every sequence within the runner's
+    context. Returns the token tensors flattened to [n_i]."""
+    if not len(caches) == len(tokens) == len(num_logits):
+        raise QuickdraftError(f"{runner.name}: forward_batch takes one token tensor and one num_logits per cache; "
+                              f"got {len(caches)} caches, {len(tokens)} token tensors and {len(num_logits)} num_logits")
+    if not caches:
+        raise QuickdraftError(f"{runner.name}: forward_batch needs at least one sequence")
+    if len({id(cache) for cache in caches}) != len(caches):
+        raise QuickdraftError(f"{runner.name}: forward_batch got the same cache twice; each sequence has its own")
+    flat = []
+    for i, (cache, ids, k) in enumerate(zip(caches, tokens, num_logits)):
+        ids = torch.as_tensor(ids).reshape(-1)  # [n_i]
+        n = ids.shape[0]
+        which = f" (sequence {i} of the batch)" if len(caches) > 1 else ""
+        if n == 0:
+            raise QuickdraftError(f"{runner.name}: no tokens to append{which}; each sequence needs at least one")
+        if not 0 <= int(k) <= n:
+            raise QuickdraftError(f"{runner.name}: num_logits {int(k)} of a sequence of {n} new tokens{which}; it must "
+                                  f"be in [0, {n}]")
+        if len(cache) + n > runner.max_len:
+            raise QuickdraftError(f"{runner.name}: sequence of {len(cache) + n} tokens exceeds the context of "
+                                  f"{runner.max_len}{which}; shorten the prompt or max_tokens")
+        flat.append(ids)
+    return flat
 
 
 def truncated_view(model: nn.Module, num_layers: int) -> nn.Module:
@@ -91,7 +175,7 @@ def truncated_view(model: nn.Module, num_layers: int) -> nn.Module:
 RUNNERS = ("auto", "native", "hf")
 
 
-def make_runner(model: nn.Module, name: str, kind: str = "auto"):
+def make_runner(model: nn.Module, name: str, kind: str = "auto") -> Runner:
     """The runner for `model`: `native` (quickdraft's own decoder, Llama family and Gemma 3), `hf` (the
     transformers forward, any causal LM), or `auto` (native where the architecture has one)."""
     if kind not in RUNNERS:
@@ -108,9 +192,6 @@ def make_runner(model: nn.Module, name: str, kind: str = "auto"):
     return HFRunner(model, name=name)
 
 
-def quantized(runner, scheme: str):
+def quantized(runner: Runner, scheme: str) -> Runner:
     """A weight-only quantized copy of `runner` (for drafts); only native runners have one."""
-    if not hasattr(runner, "quantized"):
-        raise QuickdraftError(f"{runner.name}: quantization {scheme!r} needs the native runner, which this "
-                              "architecture lacks; drop the quantization or pick another draft")
     return runner.quantized(scheme)

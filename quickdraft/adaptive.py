@@ -95,3 +95,105 @@ def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int) -> int:
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k
+
+
+class _Curve:
+    """Moving averages of a cost at integer points, linearly interpolated between measured points and
+    extrapolated with the slope of the nearest two (never negative)."""
+
+    def __init__(self, smoothing: float = 0.2):
+        self.points: dict[int, float] = {}
+        self.smoothing = smoothing
+
+    def record(self, x: int, seconds: float) -> None:
+        old = self.points.get(x)
+        self.points[x] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def estimate(self, x: int, prior_slope: float) -> float | None:
+        if x in self.points:
+            return self.points[x]
+        known = sorted(self.points.items())
+        if not known:
+            return None
+        if len(known) == 1:
+            x0, s0 = known[0]
+            return max(1e-9, s0 * (1 + prior_slope * (x - x0)))
+        below = [p for p in known if p[0] < x]
+        above = [p for p in known if p[0] > x]
+        if below and above:
+            (x0, s0), (x1, s1) = below[-1], above[0]
+        else:
+            (x0, s0), (x1, s1) = (known[-2], known[-1]) if below else (known[0], known[1])
+        slope = max(0.0, (s1 - s0) / (x1 - x0))
+        return max(1e-9, s0 + slope * (x - x0))
+
+
+class BatchCosts:
+    """What a batched step costs, measured while running: the target forward plus verification as a function
+    of the rows in the step (all sequences' new tokens: a memory-bound forward costs about the same for 1 or
+    30 rows, a compute-bound one grows with them), and the draft: per batched draft forward as a function of
+    how many sequences draft (model drafts), or per drafting sequence (lookup drafts, no forwards)."""
+
+    def __init__(self) -> None:
+        self.target = _Curve()
+        self.draft_forward = _Curve()
+        self.lookup = _Curve()
+
+    def record(self, rows: int, target_seconds: float, drafting: int, draft_forwards: int,
+               draft_seconds: float | None) -> None:
+        self.target.record(rows, target_seconds)
+        if draft_seconds is not None and drafting > 0:
+            if draft_forwards > 0:
+                self.draft_forward.record(drafting, draft_seconds / draft_forwards)
+            else:
+                self.lookup.record(1, draft_seconds / drafting)
+
+    def step_seconds(self, rows: int, max_k: int, drafting: int, model_draft: bool) -> float | None:
+        target = self.target.estimate(rows, PRIOR_COST_SLOPE)
+        if target is None:
+            return None
+        if drafting == 0:
+            return target
+        if model_draft:
+            per_forward = self.draft_forward.estimate(drafting, PRIOR_COST_SLOPE)
+            # Unmeasured: assume a draft forward costs what the target's does (adaptive K then probes and learns).
+            return target + max_k * (per_forward if per_forward is not None else target)
+        per_seq = self.lookup.estimate(1, 0.0)
+        return target + drafting * (per_seq or 0.0)
+
+
+def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int, costs: BatchCosts,
+                   model_draft: bool) -> list[int]:
+    """Each sequence's k (at most caps[i]) maximising the whole batch's expected tokens per second.
+
+    Every draft token a sequence could add is a candidate worth its chance of being emitted (the product of
+    the acceptance rates up to it); candidates are taken best first (which keeps each sequence's positions in
+    order, as those chances only fall), and the number taken is the one with the best tokens per second,
+    where the step costs the target forward over all its rows plus the draft. Zero drafts when drafting would
+    slow the batch down; every cap while nothing has been measured (try the largest K, then learn)."""
+    drafts_unmeasured = not (costs.draft_forward.points if model_draft else costs.lookup.points)
+    if costs.step_seconds(base_rows, 0, 0, model_draft) is None or (drafts_unmeasured and any(caps)):
+        return list(caps)
+    candidates = []
+    for i, (s, cap) in enumerate(zip(stats, caps)):
+        survive = 1.0
+        for j in range(cap):
+            survive *= s.rate(j)
+            candidates.append((-survive, j, i))
+    candidates.sort()
+    ks = [0] * len(caps)
+    tokens = float(len(caps))
+    best_rate = tokens / costs.step_seconds(base_rows, 0, 0, model_draft)
+    best_m, max_k, drafting = 0, 0, 0
+    for m, (neg_gain, j, i) in enumerate(candidates, start=1):
+        tokens -= neg_gain
+        drafting += ks[i] == 0
+        ks[i] = j + 1
+        max_k = max(max_k, j + 1)
+        rate = tokens / costs.step_seconds(base_rows + m, max_k, drafting, model_draft)
+        if rate > best_rate:
+            best_rate, best_m = rate, m
+    chosen = [0] * len(caps)
+    for _, j, i in candidates[:best_m]:
+        chosen[i] = max(chosen[i], j + 1)
+    return chosen

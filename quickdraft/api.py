@@ -11,15 +11,15 @@ from typing import Any, Iterable, Iterator, Sequence as Seq
 import torch
 from torch import nn
 
-from quickdraft.detokenize import Detokenizer
-from quickdraft.drafts import (DraftModelProposer, LayerSkipProposer, NgramProposer, NoDraft, Proposer,
-                               QuantizedSelfProposer, SpeculativeConfig)
+from quickdraft.drafts import DraftContext, Proposer, SpeculativeConfig, build_proposer
 from quickdraft.engine import Engine, RequestMetrics
 from quickdraft.errors import QuickdraftError, TokenizerMismatchError
 from quickdraft.models import loader
-from quickdraft.models.runner import RUNNERS, make_runner, quantized
+from quickdraft.models.runner import RUNNERS, Runner, make_runner
 from quickdraft.params import SEED_MAX, SEED_MIN, SamplingParams
 from quickdraft.sampling import derive_key
+from quickdraft.scheduler import Request, Scheduler
+from quickdraft.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +128,14 @@ class LLM:
         trust_remote_code: bool = False,
         max_model_len: int | None = None,
         runner: str = "auto",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 4096,
     ):
         _check_llm_arguments(model, seed, trust_remote_code, runner, max_model_len)
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise QuickdraftError(f"{name} must be an integer >= 1, got {value!r}")
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.device = loader.resolve_device(device)
         if isinstance(model, nn.Module) and isinstance(dtype, str) and dtype == "auto":
             self.dtype = next(model.parameters()).dtype  # a model object keeps its dtype unless told otherwise
@@ -186,21 +192,14 @@ class LLM:
         return model, loaded, tokenizer if tokenizer is not None else loaded_tokenizer, source
 
     def _build_proposer(self, config: SpeculativeConfig) -> Proposer:
-        if config.method == "none":
-            return NoDraft()
-        if config.method == "ngram":
-            return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        if config.method == "layer_skip":
-            return LayerSkipProposer(self.target, config.num_layers, config.quantization)
-        if config.method == "quantized":
-            return QuantizedSelfProposer(self.target, config.quantization)
-        draft_name, draft_model, draft_tokenizer, _ = self._load(config.model, None)
+        return build_proposer(config, DraftContext(self.target, self._draft_runner))
+
+    def _draft_runner(self, model: str | nn.Module) -> Runner:
+        """A draft model's runner, after checking that it shares the target's tokenizer."""
+        draft_name, draft_model, draft_tokenizer, _ = self._load(model, None)
         if self.tokenizer is not None or draft_tokenizer is not None:
             check_same_tokenizer(self.tokenizer, draft_tokenizer, self.model_name, draft_name)
-        runner = make_runner(draft_model, draft_name, self.runner_kind)
-        if config.quantization:
-            runner = quantized(runner, config.quantization)
-        return DraftModelProposer(runner, self.target.vocab_size)
+        return make_runner(draft_model, draft_name, self.runner_kind)
 
     @staticmethod
     def _eos_token_ids(model: nn.Module) -> set[int]:
@@ -258,37 +257,55 @@ class LLM:
         return [derive_key(request_key, index) for index in range(params.n)]
 
     # --- generation --------------------------------------------------------------------------------------
-    def _run(self, prompt: Prompt, params: SamplingParams, request_id: str) -> Iterator[str]:
-        """Generate all n completions of one request, yielding text deltas; returns the RequestOutput."""
-        text, prompt_ids = self._prompt_ids(prompt)
+    def _sequences(self, prompt_ids: list[int], params: SamplingParams) -> list[Sequence]:
+        """The n completions of one request. A request's own seed (or the LLM's) makes its text reproducible
+        with or without speculation and whatever K (position-keyed noise); without one, verification is
+        rejection sampling from the request's generator."""
         generator = self._generator(params)
-        completions, metrics = [], []
-        # A request's own seed (or the LLM's) makes its text reproducible with or without speculation and
-        # whatever K (position-keyed noise); without one, verification is rejection sampling.
-        for index, noise_key in enumerate(self._noise_keys(params)):
-            detok = Detokenizer(self.tokenizer, params)  # refuses stop strings without a tokenizer
-            seq = self.engine.new_sequence(prompt_ids, params, generator, noise_key)
-            for tokens in self.engine.run(seq):
-                delta = detok.update(seq, len(tokens))
-                if delta and index == 0:
-                    yield delta
-            completions.append(CompletionOutput(index, detok.text, list(seq.output_ids), seq.finish_reason))
-            metrics.append(seq.metrics)
-        return RequestOutput(request_id, text, prompt_ids, completions, RequestMetrics.combine(metrics))
+        return [self.engine.new_sequence(prompt_ids, params, generator, noise_key)
+                for noise_key in self._noise_keys(params)]
 
-    def _drain(self, gen: Iterator[str]) -> RequestOutput:
-        while True:
-            try:
-                next(gen)
-            except StopIteration as stop:
-                return stop.value
+    def new_scheduler(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> Scheduler:
+        """A continuous-batching scheduler on this LLM's engine (what generate uses, and what a server drives):
+        `add_request(request_id, prompt_ids, params)`, `step()`, `abort_request(request_id)`."""
+        return Scheduler(self.engine, self.tokenizer, max_num_seqs or self.max_num_seqs,
+                         max_num_batched_tokens or self.max_num_batched_tokens, self._sequences)
+
+    @staticmethod
+    def _output(text: str | None, prompt_ids: list[int], request: Request) -> RequestOutput:
+        completions = [CompletionOutput(index, detok.text, list(seq.output_ids), seq.finish_reason)
+                       for index, (seq, detok) in enumerate(zip(request.sequences, request.detokenizers))]
+        return RequestOutput(request.request_id, text, prompt_ids, completions,
+                             RequestMetrics.combine([seq.metrics for seq in request.sequences], concurrent=True))
+
+    def _run(self, prompt: Prompt, params: SamplingParams, request_id: str) -> Iterator[str]:
+        """Generate all n completions of one request, yielding the first completion's text deltas; returns the
+        RequestOutput."""
+        text, prompt_ids = self._prompt_ids(prompt)
+        scheduler = self.new_scheduler()
+        request = scheduler.add_request(request_id, prompt_ids, params)
+        try:
+            while scheduler.has_unfinished():
+                for update in scheduler.step():
+                    if update.index == 0 and update.text_delta:
+                        yield update.text_delta
+        finally:
+            scheduler.abort_request(request_id)  # a stream abandoned midway frees its caches at once
+        return self._output(text, prompt_ids, request)
 
     def generate(self, prompts: Prompt | Iterable[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for each prompt; one SamplingParams for all, or one per prompt."""
+        """Generate for every prompt together (continuous batching: up to max_num_seqs sequences per step);
+        one SamplingParams for all, or one per prompt. Outputs come back in input order, each exactly what its
+        prompt gives alone."""
         prompts = _prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompts))
-        return [self._drain(self._run(p, sp, str(i))) for i, (p, sp) in enumerate(zip(prompts, params_list))]
+        prepared = [(*self._prompt_ids(p), sp) for p, sp in zip(prompts, params_list)]  # all checked first
+        scheduler = self.new_scheduler()
+        requests = [scheduler.add_request(str(i), ids, sp) for i, (_, ids, sp) in enumerate(prepared)]
+        while scheduler.has_unfinished():
+            scheduler.step()
+        return [self._output(text, ids, request) for (text, ids, _), request in zip(prepared, requests)]
 
     @staticmethod
     def _params_list(sampling_params, count: int) -> list[SamplingParams]:

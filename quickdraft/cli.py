@@ -4,33 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from typing import Any
 
 from quickdraft.errors import QuickdraftError
-
-
-def draft_config(draft: str, k: int) -> dict[str, Any]:
-    """--draft ngram | layers:N | quantized | none | MODEL  ->  a speculative_config dict."""
-    if draft == "none":
-        return {"method": "none"}
-    if draft in ("ngram", "quantized"):
-        return {"method": draft, "num_speculative_tokens": k}
-    if draft.startswith("layers:"):
-        value = draft.split(":", 1)[1]
-        if not value.isdigit():
-            raise QuickdraftError(f"--draft {draft}: expected layers:N with N a positive integer, e.g. layers:12")
-        return {"method": "layer_skip", "num_layers": int(value), "num_speculative_tokens": k}
-    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
-
-
-def _quiet_transformers() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
 
 
 def add_generate_parser(sub) -> None:
@@ -58,23 +34,29 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--runner", default="auto", choices=["auto", "native", "hf"],
                    help="auto: quickdraft's native decoder where the architecture has one, else transformers")
     p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
+    p.add_argument("--compare", action="store_true",
+                   help="also decode without speculation (same model, same parameters) and print both speeds and "
+                        "whether the texts are identical")
     p.set_defaults(func=run_generate)
 
 
 def summary_line(metrics, method: str, k: int) -> str:
     parts = [f"{metrics.num_generated_tokens} tokens in {metrics.wall_time_s:.2f} s",
-             f"{metrics.tokens_per_s or 0:.1f} tok/s", f"draft {method}" + (f" K={k}" if method != "none" else "")]
+             f"{metrics.tokens_per_s or 0:.1f} tok/s", f"draft {method}" + (f" K<={k}" if method != "none" else "")]
     if metrics.acceptance_rate is not None:
-        parts.append(f"acceptance {metrics.acceptance_rate:.1%}")
-    if metrics.mean_accepted_length is not None:
-        parts.append(f"mean accepted length {metrics.mean_accepted_length:.2f}")
-    parts.append(f"target forwards {metrics.target_forwards}")
+        parts.append(f"accepted {metrics.accepted_tokens}/{metrics.proposed_tokens} drafts "
+                     f"({metrics.acceptance_rate:.1%}) in {metrics.num_drafts} drafting steps")
+        parts.append(f"mean acceptance length {metrics.mean_acceptance_length:.2f}")
+    elif method != "none":
+        parts.append("no drafts proposed")
+    parts.append(f"{metrics.target_forwards} target forwards ({metrics.tokens_per_target_forward or 0:.2f} tokens each)")
     return "[quickdraft] " + " | ".join(parts)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from quickdraft import LLM, SamplingParams
-    from quickdraft.models.loader import DEFAULT_MODEL
+    from quickdraft.drafts import parse_draft
+    from quickdraft.models.loader import DEFAULT_MODEL, quiet_transformers
 
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -83,13 +65,19 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     if not args.prompt.strip():
         raise QuickdraftError("the prompt is empty; give some text to continue")
-    spec = draft_config(args.draft, args.k)
+    spec = parse_draft(args.draft, args.k)
     if args.fixed_k and spec["method"] != "none":
         spec["adaptive"] = False
-    _quiet_transformers()
+    quiet_transformers()
     llm = LLM(args.model or DEFAULT_MODEL, speculative_config=spec, dtype=args.dtype, device=args.device,
               trust_remote_code=args.trust_remote_code, runner=args.runner)
     prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    plain = None
+    if args.compare:
+        # One short warm-up (first-call allocations, rotary tables), then plain decoding, then speculative: each
+        # run finds the model equally warm.
+        llm.with_speculative_config({"method": "none"}).generate(prompt, SamplingParams(temperature=0, max_tokens=4))
+        plain = llm.with_speculative_config({"method": "none"}).generate(prompt, params)[0]
     stream = llm.stream(prompt, params)
     for delta in stream:
         if not args.json:
@@ -97,14 +85,38 @@ def run_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     out = stream.output
     completion = out.outputs[0]
+    method, k = llm.speculative_config.method, llm.speculative_config.effective_k
     if args.json:
-        print(json.dumps({"text": completion.text, "token_ids": completion.token_ids,
-                          "finish_reason": completion.finish_reason, "metrics": out.metrics.to_dict()}))
+        result = {"text": completion.text, "token_ids": completion.token_ids,
+                  "finish_reason": completion.finish_reason, "metrics": out.metrics.to_dict()}
+        if plain is not None:
+            result["compare"] = {"plain_metrics": plain.metrics.to_dict(),
+                                 "identical": plain.outputs[0].token_ids == completion.token_ids,
+                                 "speedup": _speedup(out.metrics, plain.metrics)}
+        print(json.dumps(result))
     else:
         sys.stdout.write("\n")
-        print(summary_line(out.metrics, llm.speculative_config.method, llm.speculative_config.effective_k),
-              file=sys.stderr)
+        print(summary_line(out.metrics, method, k), file=sys.stderr)
+        if plain is not None:
+            print(compare_line(out.metrics, plain.metrics, plain.outputs[0].token_ids == completion.token_ids,
+                               params), file=sys.stderr)
     return 0
+
+
+def _speedup(spec, plain) -> float | None:
+    return spec.tokens_per_s / plain.tokens_per_s if spec.tokens_per_s and plain.tokens_per_s else None
+
+
+def compare_line(spec, plain, identical: bool, params) -> str:
+    speedup = _speedup(spec, plain)
+    same = "identical" if identical else "different"
+    if not identical and not params.greedy and params.seed is None:
+        same += " (sampled without --seed: each run draws anew; add --seed to compare texts)"
+    elif not identical and params.greedy:
+        same += " (greedy: a near-tie that rounds differently, or a bug; please report it)"
+    return (f"[quickdraft] without speculation: {plain.num_generated_tokens} tokens, {plain.tokens_per_s or 0:.1f} tok/s"
+            f" | with: {spec.tokens_per_s or 0:.1f} tok/s" + (f" ({speedup:.2f}x)" if speedup else "")
+            + f" | texts {same}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,7 +35,8 @@ class Engine:
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.adaptive_k = adaptive_k and num_speculative_tokens > 0
-        self.step_costs = adaptive.StepCosts(num_speculative_tokens)
+        self.step_costs = adaptive.StepCosts(num_speculative_tokens)  # one sequence alone, by k
+        self.batch_costs = adaptive.BatchCosts()  # any batch, by rows
         self.eos_token_ids = set(eos_token_ids or ())
         self.max_len = min(max_len or target.max_len, target.max_len)
 
@@ -68,35 +69,100 @@ class Engine:
         return seq
 
     def step(self, seq: Sequence) -> list[int]:
-        """One propose-verify-accept step; returns the tokens committed (at least one)."""
-        metrics = seq.metrics
-        history = seq.token_ids
-        remaining = seq.params.max_tokens - len(seq.output_ids)
-        k = adaptive.choose_k(seq.acceptance, self.step_costs, self.k) if self.adaptive_k else self.k
-        k = max(0, min(k, remaining - 1, self.max_len - len(history), self.proposer.max_draft_tokens(seq)))
-        if len(history) - len(seq.target_cache) > 1:
-            # The prompt goes through the target alone, as in plain decoding: kernels may pick their method
-            # by the number of rows, and the prompt's cached keys must not depend on whether drafts followed.
-            k = 0
+        """One propose-verify-accept step of one sequence; returns the tokens committed (at least one)."""
+        return self.step_batch([seq])[0]
 
+    def _cap_k(self, seq: Sequence) -> int:
+        """The most drafts `seq` may take this step: the engine's K, the request's own cap, what max_tokens, the
+        context and the proposer leave room for; 0 while the prompt is still to be read."""
+        history = seq.token_ids
+        if len(history) - len(seq.target_cache) > 1:
+            # The prompt goes through the target with no drafts after it, as in plain decoding: its cached keys
+            # must not depend on whether drafts followed.
+            return 0
+        cap = self.k if seq.params.num_speculative_tokens is None else min(self.k, seq.params.num_speculative_tokens)
+        remaining = seq.params.max_tokens - len(seq.output_ids)
+        return max(0, min(cap, remaining - 1, self.max_len - len(history), self.proposer.max_draft_tokens(seq)))
+
+    def _choose_ks(self, seqs: list[Sequence]) -> list[int]:
+        """Each sequence's draft length this step: its cap when K is fixed; adaptive, the k that maximises
+        expected tokens per second, for one sequence from its step costs by k, for a batch from the batch's
+        costs by rows (batch-aware: as verification competes for compute, drafting stops where it no longer
+        pays)."""
+        caps = [self._cap_k(seq) for seq in seqs]
+        if not self.adaptive_k:
+            return caps
+        if len(seqs) == 1:
+            return [adaptive.choose_k(seqs[0].acceptance, self.step_costs, caps[0]) if caps[0] > 0 else 0]
+        base_rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs)
+        return adaptive.choose_batch_k([seq.acceptance for seq in seqs], caps, base_rows, self.batch_costs,
+                                       self.proposer.runs_a_model)
+
+    def step_batch(self, seqs: list[Sequence]) -> list[list[int]]:
+        """One step of every sequence in `seqs` together: their drafts proposed as one batch, ONE target forward
+        over all their new rows (ragged: each sequence its last token or prompt, then its own k_i drafts), then
+        verification, rollback and commit per sequence. A sequence's tokens do not depend on the others: the
+        target's rows are computed alike however many there are (bf16 on quickdraft's kernels), attention is
+        per sequence, and sampling is per sequence. Returns the tokens each sequence committed."""
         t0 = time.perf_counter()
+        ks = self._choose_ks(seqs)
         draft_forwards = self.proposer.forwards
-        proposal = self.proposer.propose(seq, k) if k > 0 else Proposal.empty(self.device)
-        draft = proposal.tokens[:k]
-        k = int(draft.numel())
-        metrics.draft_forwards += self.proposer.forwards - draft_forwards
+        proposals = self.proposer.propose_batch(seqs, ks)
+        drafts = [proposal.tokens[:k] for proposal, k in zip(proposals, ks)]
+        ks = [int(d.numel()) for d in drafts]
+        draft_forwards = self.proposer.forwards - draft_forwards
         t1 = time.perf_counter()
 
-        cache = seq.target_cache
-        start = cache.sync(history)
-        if start == len(history):  # the last token's logits are needed again (only after a cache reset)
-            start -= 1
-            cache.rollback(start)
-        feed = torch.cat([torch.tensor(history[start:], dtype=torch.long, device=self.device), draft])
-        logits = self.target.forward(cache, feed, num_logits=k + 1)
-        metrics.target_forwards += 1
+        caches, feeds, histories = [], [], []
+        for seq, draft in zip(seqs, drafts):
+            history = seq.token_ids
+            cache = seq.target_cache
+            start = cache.sync(history)
+            if start == len(history):  # the last token's logits are needed again (only after a cache reset)
+                start -= 1
+                cache.rollback(start)
+            caches.append(cache)
+            histories.append(len(history))
+            feeds.append(torch.cat([torch.tensor(history[start:], dtype=torch.long, device=self.device), draft]))
+        logits = self.target.forward_batch(caches, feeds, [k + 1 for k in ks])  # [sum(k_i + 1), V]
         t2 = time.perf_counter()
 
+        results = []
+        first_row = 0
+        for seq, proposal, draft, k in zip(seqs, proposals, drafts, ks):
+            rows = logits[first_row: first_row + k + 1]  # [k_i + 1, V]: row j scores draft j, row k_i the bonus
+            first_row += k + 1
+            results.append(self._verify(seq, rows, draft, proposal))
+        n_tokens = torch.stack(results).tolist() if results else []  # the step's one host sync
+        t3 = time.perf_counter()
+
+        if self.adaptive_k:
+            caught_up = any(proposal.catch_up for proposal in proposals)
+            self.batch_costs.record(sum(int(feed.numel()) for feed in feeds), t3 - t1, sum(k > 0 for k in ks),
+                                    draft_forwards, None if caught_up else t1 - t0)
+        committed = []
+        for seq, proposal, draft, k, cache, length, feed, (n, token) in zip(
+                seqs, proposals, drafts, ks, caches, histories, feeds, n_tokens):
+            cache.rollback(length + n)  # keep the committed drafts, drop the rejected ones
+            metrics = seq.metrics
+            metrics.target_forwards += 1
+            metrics.draft_forwards += draft_forwards  # the batch's draft forwards served every sequence in it
+            metrics.count_proposed(k)
+            metrics.draft_time_s += t1 - t0
+            metrics.target_time_s += t2 - t1
+            metrics.verify_time_s += t3 - t2
+            if self.adaptive_k:
+                seq.acceptance.update(k, n)
+                # A step like every later one (no prompt, no draft catch-up), alone in its batch: its time is the
+                # cost of drafting k. Batched steps are not timed (their cost depends on the batch).
+                if len(seqs) == 1 and feed.numel() == k + 1 and not proposal.catch_up:
+                    self.step_costs.record(k, time.perf_counter() - t0)
+            committed.append(seq.commit(draft[:n].tolist(), k, token, self.eos_token_ids, self.max_len))
+        return committed
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, draft: torch.Tensor, proposal: Proposal) -> torch.Tensor:
+        """(number of drafts accepted, the target's token after them) as a device tensor [2]."""
+        k = int(draft.numel())
         processed = seq.process(logits, draft)
         if seq.params.greedy:
             num_accepted, next_token = verify.greedy_accept(processed[None], draft[None])
@@ -108,20 +174,7 @@ class Engine:
         else:
             q = None if proposal.probs is None else proposal.probs[:k][None]
             num_accepted, next_token = verify.rejection_sample(processed[None], q, draft[None], seq.generator)
-        n, token = torch.stack([num_accepted[0], next_token[0]]).tolist()  # the step's one host sync
-        drafts = draft[:n].tolist()
-        cache.rollback(len(history) + n)  # keep the committed drafts, drop the rejected ones
-        t3 = time.perf_counter()
-
-        if self.adaptive_k:
-            seq.acceptance.update(k, n)
-            if feed.numel() == k + 1 and not proposal.catch_up:  # a step like every later one: no prefill
-                self.step_costs.record(k, t3 - t0)
-        metrics.count_proposed(k)
-        metrics.draft_time_s += t1 - t0
-        metrics.target_time_s += t2 - t1
-        metrics.verify_time_s += t3 - t2
-        return seq.commit(drafts, k, token, self.eos_token_ids, self.max_len)
+        return torch.stack([num_accepted[0], next_token[0]])
 
     def run(self, seq: Sequence) -> Iterator[list[int]]:
         """Step until the sequence finishes, yielding each step's committed tokens."""

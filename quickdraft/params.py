@@ -45,6 +45,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
+    # quickdraft's own: at most this many draft tokens per step for this request (0: no speculation for it,
+    # e.g. a creative high-temperature request where drafts are rarely accepted); None: the engine's K.
+    num_speculative_tokens: int | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +88,10 @@ class SamplingParams:
              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),
             (self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
              f"seed must be an integer in [-2**63, 2**64 - 1] or None, got {self.seed!r}"),
+            (self.num_speculative_tokens is None or (_is_int(self.num_speculative_tokens)
+                                                     and self.num_speculative_tokens >= 0),
+             f"num_speculative_tokens must be an integer >= 0 (0 turns speculation off for this request) or None, "
+             f"got {self.num_speculative_tokens!r}"),
             (isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}"),
             (isinstance(self.include_stop_str_in_output, bool),
              f"include_stop_str_in_output must be true or false, got {self.include_stop_str_in_output!r}"),

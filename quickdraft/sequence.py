@@ -104,9 +104,10 @@ class RequestMetrics:
             self._bump("accepted_per_position", -2 - code, 0)  # same length as reached: a 0 is a count too
 
     @staticmethod
-    def combine(parts: "list[RequestMetrics]") -> "RequestMetrics":
+    def combine(parts: "list[RequestMetrics]", concurrent: bool = False) -> "RequestMetrics":
         """The pooled metrics of several generations (the n completions of a request, a benchmark's
-        prompts): counts, times and per-position counts summed."""
+        prompts): counts, times and per-position counts summed; wall time summed, or for generations that ran
+        at the same time (concurrent) the longest of them."""
         if len(parts) == 1:
             return parts[0]
         if not parts:
@@ -116,9 +117,9 @@ class RequestMetrics:
                                first_token_time_s=parts[0].first_token_time_s)
         for m in parts:
             for name in ("num_generated_tokens", "target_forwards", "draft_forwards", "num_drafts",
-                         "proposed_tokens", "accepted_tokens", "draft_time_s", "target_time_s", "verify_time_s",
-                         "wall_time_s"):
+                         "proposed_tokens", "accepted_tokens", "draft_time_s", "target_time_s", "verify_time_s"):
                 setattr(total, name, getattr(total, name) + getattr(m, name))
+            total.wall_time_s = max(total.wall_time_s, m.wall_time_s) if concurrent else total.wall_time_s + m.wall_time_s
             for name in ("proposed_per_position", "reached_per_position", "accepted_per_position"):
                 for i, v in enumerate(getattr(m, name)):
                     total._bump(name, i, v)

@@ -80,3 +80,70 @@ def test_a_draft_catching_up_after_plain_steps_is_not_timed_as_the_cost_of_draft
     before = list(adaptive.step_costs.seconds)
     adaptive.step(seq)  # max K with costs unmeasured -> drafts, after a catch-up: not recorded
     assert adaptive.step_costs.seconds == before
+
+
+def _stats(proposed, accepted, times=40):
+    stats = AcceptanceStats()
+    for _ in range(times):
+        stats.update(proposed, accepted)
+    return stats
+
+
+def _half(proposed=4):
+    """A sequence whose first draft is accepted half of the time, and nothing after it."""
+    stats = AcceptanceStats()
+    for i in range(40):
+        stats.update(proposed, i % 2)
+    return stats
+
+
+def _costs(per_row, base=10.0, rows=(1, 8, 64, 256)):
+    from quickdraft.adaptive import BatchCosts
+
+    costs = BatchCosts()
+    for r in rows:
+        costs.record(r, base + per_row * r, 0, 0, None)
+    costs.lookup.record(1, 0.001)  # an n-gram lookup per drafting sequence
+    return costs
+
+
+def test_batch_k_drafts_while_rows_are_nearly_free():
+    from quickdraft.adaptive import choose_batch_k
+
+    good = [_stats(4, 4) for _ in range(16)]
+    assert choose_batch_k(good, [4] * 16, 16, _costs(per_row=0.01), model_draft=False) == [4] * 16
+
+
+def test_batch_k_stops_drafting_where_verification_competes_for_compute():
+    from quickdraft.adaptive import choose_batch_k
+
+    middling = [_half() for _ in range(64)]
+    # Compute-bound: every row costs as much as the whole memory-bound base spread over 5 rows.
+    assert choose_batch_k(middling, [4] * 64, 64, _costs(per_row=2.0), model_draft=False) == [0] * 64
+    # Memory-bound at the same batch: drafting pays.
+    assert min(choose_batch_k(middling, [4] * 64, 64, _costs(per_row=0.001), model_draft=False)) >= 1
+
+
+def test_batch_k_gives_drafts_to_the_sequences_that_accept_them():
+    from quickdraft.adaptive import choose_batch_k
+
+    stats = [_stats(4, 4), _stats(4, 0), _stats(4, 4), _stats(4, 0)]
+    ks = choose_batch_k(stats, [4, 4, 4, 0], 4, _costs(per_row=1.0), model_draft=False)
+    assert ks[0] >= 3 and ks[1] == 0 and ks[3] == 0 and ks[2] >= 3
+    from quickdraft.adaptive import BatchCosts
+    assert choose_batch_k(stats, [4, 4, 2, 0], 4, BatchCosts(), model_draft=True) == [4, 4, 2, 0]  # unmeasured
+
+
+def test_batch_k_counts_the_draft_model_forwards():
+    from quickdraft.adaptive import choose_batch_k
+
+    unmeasured = _costs(per_row=0.0)
+    assert choose_batch_k([_half() for _ in range(4)], [4, 2, 0, 4], 4, unmeasured, model_draft=True) == [4, 2, 0, 4]
+    costs = _costs(per_row=0.0)
+    for drafting in (1, 4):
+        costs.draft_forward.record(drafting, 9.0)  # a draft forward costs nearly a target forward
+    middling = [_half() for _ in range(4)]
+    assert choose_batch_k(middling, [4] * 4, 4, costs, model_draft=True) == [0] * 4
+    cheap = _costs(per_row=0.0)
+    cheap.draft_forward.record(4, 0.5)
+    assert min(choose_batch_k(middling, [4] * 4, 4, cheap, model_draft=True)) >= 1

@@ -248,3 +248,37 @@ def test_bench_sampling(tiny_dataset):
         assert m["overall"]["greedy_mismatches"] is None and m["divergences"] == []
         assert m["overall"]["generated_tokens"] == 4 * 4  # 3 records, one of them with two turns
     assert set(report["k_sweep"]) == {"ngram"} and report["k_sweep"]["ngram"]["k"] == [2]
+
+
+def test_batch_sweep(tiny_dataset, tmp_path):
+    """--batch-sizes: every method at every batch size over the same prompts; greedy outputs equal batch 1's
+    and none's; hf as padded batches; JSON and the speedup plot."""
+    model = tiny_llama(vocab_size=len(WORDS), layers=2)
+    cfg = BenchConfig(dataset=str(tiny_dataset), methods="ngram,layers:1,hf", k="3", max_new_tokens=8,
+                      out=str(tmp_path / "sweep.json"), plots=str(tmp_path / "plots"), cost_repeats=1,
+                      batch_sizes="1,2,8")
+    report = run_bench(cfg, model=model, tokenizer=tiny_tokenizer(), progress=False)
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    sweep = saved["batch_sweep"]
+    assert sweep["batch_sizes"] == [1, 2, 8] and sweep["n_prompts"] == 5
+    assert set(sweep["methods"]) == {"none", "ngram", "layers:1", "hf"}
+    for label, rows in sweep["methods"].items():
+        assert set(rows) == {"1", "2", "8"}
+        for row in rows.values():
+            assert row["tokens"] > 0 and row["tokens_per_s"] > 0 and row["speedup_vs_none"] > 0
+            if label != "hf":
+                assert row["differs_from_smallest_batch"] == 0 and row["differs_from_none"] == 0
+                assert row["ttft_s"] is not None and row["per_request_tokens_per_s"] > 0
+    assert sweep["methods"]["none"]["8"]["speedup_vs_none"] == 1.0
+    assert sweep["methods"]["ngram"]["1"]["acceptance_rate"] is not None
+    assert (tmp_path / "plots" / "batch_speedup_vs_none.png").is_file()
+    assert report["batch_sweep"]["methods"].keys() == sweep["methods"].keys()
+
+
+def test_batch_sweep_bad_input(tiny_dataset):
+    model = tiny_llama(vocab_size=len(WORDS), layers=2)
+    for kwargs, word in ((dict(batch_sizes="1,x"), "batch-sizes"), (dict(batch_sizes="1", k="1,2"), "one --k"),
+                         (dict(batch_sizes="2", methods="hf-lookup"), "drop hf-lookup")):
+        with pytest.raises(QuickdraftError, match=word):
+            run_bench(BenchConfig(dataset=str(tiny_dataset), cost_repeats=1, **kwargs), model=model,
+                      tokenizer=tiny_tokenizer(), progress=False)

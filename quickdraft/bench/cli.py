@@ -30,6 +30,10 @@ def add_bench_parser(sub) -> None:
                    help="propose exactly K every step (default: adaptive K up to K; a K sweep is always fixed)")
     p.add_argument("--runner", default="auto", choices=["auto", "native", "hf"],
                    help="quickdraft's runner for the target (default auto: native where the architecture has one)")
+    p.add_argument("--batch-sizes", default=None,
+                   help="a comma list (e.g. 1,4,16,64): instead of prompt-by-prompt runs, generate for all the "
+                        "prompts' first turns at once with at most B sequences running, for each B (quickdraft "
+                        "methods, and hf as padded batches)")
     p.set_defaults(func=run_from_args)
 
 
@@ -41,6 +45,6 @@ def run_from_args(args: argparse.Namespace) -> int:
                       max_new_tokens=args.max_new_tokens, limit_per_category=args.limit_per_category,
                       categories=args.categories, temperature=args.temperature, out=args.out, plots=args.plots,
                       dtype=args.dtype, device=args.device, threads=args.threads, seed=args.seed,
-                      adaptive=not args.fixed_k, runner=args.runner)
+                      adaptive=not args.fixed_k, runner=args.runner, batch_sizes=args.batch_sizes)
     run_bench(cfg)
     return 0

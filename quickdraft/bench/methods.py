@@ -273,7 +273,7 @@ def build_runners(specs: Sequence[MethodSpec], ks: Sequence[int], target: Target
     reference LLM's target runner. A K sweep runs each K fixed; a single K is the largest K of adaptive
     decoding unless adaptive is False."""
     from quickdraft.api import check_same_tokenizer
-    from quickdraft.cli import draft_config
+    from quickdraft.drafts import parse_draft
 
     sweep = len(ks) > 1
     runners: list[Runner] = []
@@ -281,7 +281,7 @@ def build_runners(specs: Sequence[MethodSpec], ks: Sequence[int], target: Target
         values = list(ks) if spec.speculative else [None]
         if spec.is_quickdraft:
             llm = reference_llm if spec.name == "none" else \
-                reference_llm.with_speculative_config(draft_config(spec.arg, ks[0]))
+                reference_llm.with_speculative_config(parse_draft(spec.arg, ks[0]))
             runners += [QuickdraftRunner(spec, k, _label(spec, k, sweep), llm, adaptive and not sweep) for k in values]
         elif spec.kind.startswith("hf"):
             assistant = None

@@ -45,6 +45,7 @@ class BenchConfig:
     warmup_tokens: int = 8
     cost_context: int = 200  # cache length at which the target forward is timed
     cost_repeats: int = 7
+    batch_sizes: str | None = None  # a comma list: run the batch sweep (bench/batch.py) instead
 
 
 def _split(text: str | None) -> list[str] | None:
@@ -61,7 +62,20 @@ def _validate(cfg: BenchConfig):
         raise QuickdraftError(f"--temperature must be >= 0 (0 means greedy), got {cfg.temperature}")
     if cfg.threads is not None and cfg.threads < 1:
         raise QuickdraftError(f"--threads must be >= 1, got {cfg.threads}")
+    if cfg.batch_sizes is not None:
+        if len(ks) > 1:
+            raise QuickdraftError("--batch-sizes takes one --k (a K sweep and a batch sweep are separate runs)")
+        unsupported = [s.name for s in specs if not s.is_quickdraft and s.name != "hf"]
+        if unsupported:
+            raise QuickdraftError(f"--batch-sizes runs quickdraft methods and hf; drop {', '.join(unsupported)}")
     return records, specs, ks
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    parts = [p.strip() for p in str(text).split(",")]
+    if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise QuickdraftError(f"--batch-sizes {text!r}: expected a comma list of positive integers, e.g. 1,4,16,64")
+    return sorted({int(p) for p in parts})
 
 
 def _load_target(cfg: BenchConfig, model, tokenizer):
@@ -102,7 +116,6 @@ def run_bench(cfg: BenchConfig, *, model=None, tokenizer=None, console=None, pro
     cfg.model; llama.cpp methods then cannot run, having no GGUF file."""
     from rich.console import Console
 
-    from quickdraft.cli import _quiet_transformers
 
     # Piped output gets wide tables rather than rich's 80 columns.
     console = console or Console(width=None if sys.stdout.isatty() else 180)
@@ -111,7 +124,7 @@ def run_bench(cfg: BenchConfig, *, model=None, tokenizer=None, console=None, pro
     records, specs, ks = _validate(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    _quiet_transformers()
+    loader.quiet_transformers()
 
     status.print(f"loading {cfg.model if model is None else type(model).__name__} ...")
     target, reference = _load_target(cfg, model, tokenizer)
@@ -130,6 +143,9 @@ def run_bench(cfg: BenchConfig, *, model=None, tokenizer=None, console=None, pro
     forward_s = measure_target_forward(reference.target, context_ids, sizes, cfg.cost_repeats)
     bandwidth = measure_read_bandwidth(target.device)
     runner_table = runner_costs(_cost_runners(reference, runners), context_ids, max(ks), bandwidth, cfg.cost_repeats)
+    if cfg.batch_sizes is not None:
+        return _run_batch_sweep(cfg, records, prompts, runners, target, forward_s, bandwidth, runner_table, console,
+                                status, progress, started, start)
 
     results: dict[str, list[PromptResult]] = {r.label: [] for r in runners}
     with _progress(status, progress) as bar:
@@ -171,6 +187,51 @@ def run_bench(cfg: BenchConfig, *, model=None, tokenizer=None, console=None, pro
         console.print(f"results: {cfg.out}")
     if cfg.plots:
         console.print(f"plots: {', '.join(report['config']['plots'])}")
+    return report
+
+
+def _run_batch_sweep(cfg, records, prompts, runners, target, forward_s, bandwidth, runner_table, console, status,
+                     progress, started, start) -> dict[str, Any]:
+    import copy
+
+    from quickdraft.bench.batch import plot_batch_sweep, render_batch_sweep, run_batch_sweep
+
+    sizes = parse_batch_sizes(cfg.batch_sizes)
+    llms = {}
+    for runner in runners:
+        if runner.spec.is_quickdraft:
+            llm = copy.copy(runner.llm)
+            llm.engine = runner.engine  # the runner's K and adaptivity
+            llms[runner.label] = llm
+    with_hf = any(r.spec.name == "hf" for r in runners)
+    first_turns = [prompts.prompt_ids(record.turns[:1], []) for record in records]
+    pad = target.tokenizer.pad_token_id if target.tokenizer is not None else None
+    pad = pad if pad is not None else min(target.eos_token_ids, default=0)
+    with _progress(status, progress) as bar:
+        task = bar.add_task("batch sweep", total=len(sizes) * (len(llms) + with_hf))
+        sweep = run_batch_sweep(llms, first_turns, sizes, cfg.max_new_tokens, cfg.temperature, cfg.seed,
+                                hf_model=target.model if with_hf else None, pad_id=pad, eos=target.eos_token_ids,
+                                on_round=lambda label, b: bar.update(task, advance=1, description=f"{label} B={b}"))
+    report = {"config": {"dataset": str(cfg.dataset), "model": target.name,
+                         "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
+                         "threads": torch.get_num_threads(), "methods": [r.label for r in runners],
+                         "versions": _versions(), "started_at": started, "options": asdict(cfg)},
+              "costs": {"forward_s": {str(n): s for n, s in forward_s.items()}, "memory_read_GBps": bandwidth / 1e9,
+                        "runners": runner_table},
+              "batch_sweep": sweep}
+    report["config"]["elapsed_s"] = time.perf_counter() - start
+    render_batch_sweep(sweep, console)
+    if cfg.plots:
+        from pathlib import Path
+
+        Path(cfg.plots).mkdir(parents=True, exist_ok=True)
+        path = str(Path(cfg.plots) / "batch_speedup_vs_none.png")
+        plot_batch_sweep(sweep, path)
+        report["config"]["plots"] = [path]
+        console.print(f"plots: {path}")
+    if cfg.out:
+        write_json(report, cfg.out)
+        console.print(f"results: {cfg.out}")
     return report
 
 

@@ -1,11 +1,14 @@
-"""Draft methods behind one interface, one file each, and the configuration that picks one."""
+"""Draft methods behind one interface, one file each, and the configuration that picks one.
+
+A new method is its own file (a Proposer subclass with a `name` and a `from_config`) plus one entry in
+PROPOSERS below; the API, the CLI (`--draft`) and the bench find it there."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any
 
-from quickdraft.drafts.base import Proposal, Proposer
+from quickdraft.drafts.base import DraftContext, Proposal, Proposer
 from quickdraft.drafts.draft_model import DraftModelProposer
 from quickdraft.drafts.layer_skip import LayerSkipProposer
 from quickdraft.drafts.ngram import NgramProposer
@@ -13,7 +16,9 @@ from quickdraft.drafts.none import NoDraft
 from quickdraft.drafts.quantized import QuantizedSelfProposer
 from quickdraft.errors import QuickdraftError
 
-METHODS = ("none", "ngram", "draft_model", "layer_skip", "quantized")
+PROPOSERS: dict[str, type[Proposer]] = {cls.name: cls for cls in (
+    NoDraft, NgramProposer, DraftModelProposer, LayerSkipProposer, QuantizedSelfProposer)}
+METHODS = tuple(PROPOSERS)
 QUANTIZATIONS = ("int8",)
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 
@@ -84,5 +89,25 @@ class SpeculativeConfig:
         return 0 if self.method == "none" else self.num_speculative_tokens
 
 
-__all__ = ["METHODS", "SpeculativeConfig", "Proposal", "Proposer", "NoDraft", "NgramProposer",
-           "DraftModelProposer", "LayerSkipProposer", "QuantizedSelfProposer"]
+def build_proposer(config: SpeculativeConfig, context: DraftContext) -> Proposer:
+    """The proposer `config` asks for, from the registry."""
+    return PROPOSERS[config.method].from_config(config, context)
+
+
+def parse_draft(draft: str, k: int) -> dict[str, Any]:
+    """The command line's --draft: ngram | layers:N | quantized | none | a draft MODEL -> a speculative_config."""
+    if draft == "none":
+        return {"method": "none"}
+    if draft in ("ngram", "quantized"):
+        return {"method": draft, "num_speculative_tokens": k}
+    if draft.startswith("layers:"):
+        value = draft.split(":", 1)[1]
+        if not value.isdigit():
+            raise QuickdraftError(f"--draft {draft}: expected layers:N with N a positive integer, e.g. layers:12")
+        return {"method": "layer_skip", "num_layers": int(value), "num_speculative_tokens": k}
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+
+
+__all__ = ["METHODS", "PROPOSERS", "SpeculativeConfig", "DraftContext", "Proposal", "Proposer", "NoDraft",
+           "NgramProposer", "DraftModelProposer", "LayerSkipProposer", "QuantizedSelfProposer", "build_proposer",
+           "parse_draft"]

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 if TYPE_CHECKING:
+    from quickdraft.drafts import SpeculativeConfig
+    from quickdraft.models.runner import Runner
     from quickdraft.sequence import Sequence
+
+
+@dataclass
+class DraftContext:
+    """What building a draft may need of the LLM it drafts for: the target's runner, and a loader that turns
+    a draft model (alias, path, hub id or module) into a runner, its tokenizer checked against the target's."""
+
+    target: "Runner"
+    load_draft_model: Callable[[Any], "Runner"]
 
 
 @dataclass
@@ -38,9 +49,15 @@ class Proposer(ABC):
     the object returned by `new_state` and is stored on the Sequence, so proposers serve many requests."""
 
     name: str = "proposer"
+    runs_a_model: bool = False  # drafts cost forwards (batched per draft position), not lookups
 
     def __init__(self) -> None:
         self.forwards = 0  # draft model calls, for metrics
+
+    @classmethod
+    def from_config(cls, config: "SpeculativeConfig", context: DraftContext) -> "Proposer":
+        """The proposer a speculative_config asks for (the registry in drafts/__init__.py calls this)."""
+        return cls()
 
     def new_state(self, seq: "Sequence") -> Any:
         return None
@@ -48,6 +65,11 @@ class Proposer(ABC):
     def max_draft_tokens(self, seq: "Sequence") -> int:
         """The most tokens this proposer can draft for `seq` now (a draft model's context may end first)."""
         return 1 << 30
+
+    def propose_batch(self, seqs: "list[Sequence]", ks: list[int]) -> list[Proposal]:
+        """Proposals for several sequences at once, at most ks[i] tokens for seqs[i] (0: none). Model drafts
+        override this to run one batched forward per draft position."""
+        return [self.propose(seq, k) if k > 0 else Proposal.empty(seq.device) for seq, k in zip(seqs, ks)]
 
     @abstractmethod
     def propose(self, seq: "Sequence", k: int) -> Proposal:

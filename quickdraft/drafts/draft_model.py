@@ -12,19 +12,27 @@ import torch
 
 from quickdraft import sampling
 from quickdraft.drafts.base import Proposal, Proposer
-from quickdraft.models.runner import HFRunner
+from quickdraft.models.runner import Runner
 
 
 class DraftModelProposer(Proposer):
     name = "draft_model"
+    runs_a_model = True
 
-    def __init__(self, runner: HFRunner, target_vocab_size: int):
+    def __init__(self, runner: Runner, target_vocab_size: int):
         super().__init__()
         self.runner = runner
         self.target_vocab_size = target_vocab_size
 
     def new_state(self, seq):
         return self.runner.new_cache()
+
+    @classmethod
+    def from_config(cls, config, context) -> "DraftModelProposer":
+        runner = context.load_draft_model(config.model)
+        if config.quantization:
+            runner = runner.quantized(config.quantization)
+        return cls(runner, context.target.vocab_size)
 
     def max_draft_tokens(self, seq) -> int:
         # Drafting k tokens feeds the history and k - 1 drafts through the draft model.
@@ -41,29 +49,43 @@ class DraftModelProposer(Proposer):
         return logits
 
     def propose(self, seq, k: int) -> Proposal:
-        cache = seq.draft_state
-        history = seq.token_ids
-        start = cache.sync(history)
-        if start == len(history):  # everything is cached: recompute the last position for its logits
-            start -= 1
-            cache.rollback(start)
-        catch_up = max(0, len(history) - start - 2)  # in step, the draft reads the bonus and maybe its last draft
-        feed = torch.tensor(history[start:], dtype=torch.long, device=self.runner.device)
-        tokens = torch.empty(k, dtype=torch.long, device=seq.device)
-        coupled = seq.noise_key is not None  # draw with the target's position noise: no q needed
-        probs = None if seq.params.greedy or coupled else torch.empty(k, self.target_vocab_size, device=seq.device)
-        for i in range(k):
-            logits = self._to_target_vocab(self.runner.forward(cache, feed)).to(seq.device)
+        return self.propose_batch([seq], [k])[0]
+
+    def propose_batch(self, seqs, ks: list[int]) -> list[Proposal]:
+        """k_i tokens for each sequence, autoregressively: draft position i is ONE batched draft forward over
+        every sequence still drafting (the first also reads what each draft cache lacks of its history)."""
+        active = [j for j, k in enumerate(ks) if k > 0]
+        feeds, catch_ups, tokens, probs = {}, {}, {}, {}
+        for j in active:
+            seq, cache, history = seqs[j], seqs[j].draft_state, seqs[j].token_ids
+            start = cache.sync(history)
+            if start == len(history):  # everything is cached: recompute the last position for its logits
+                start -= 1
+                cache.rollback(start)
+            catch_ups[j] = max(0, len(history) - start - 2)  # a step reads the bonus and maybe its last draft
+            feeds[j] = torch.tensor(history[start:], dtype=torch.long, device=self.runner.device)
+            tokens[j] = torch.empty(ks[j], dtype=torch.long, device=seq.device)
+            coupled = seq.noise_key is not None  # drawn with the target's position noise: no q needed
+            probs[j] = None if seq.params.greedy or coupled else torch.empty(ks[j], self.target_vocab_size,
+                                                                             device=seq.device)
+        for i in range(max(ks, default=0)):
+            rows = [j for j in active if ks[j] > i]
+            logits = self.runner.forward_batch([seqs[j].draft_state for j in rows], [feeds[j] for j in rows],
+                                               [1] * len(rows))  # [len(rows), V_draft]
+            logits = self._to_target_vocab(logits)
             self.forwards += 1
-            processed = seq.process(logits, tokens[:i], first_row=i)
-            if coupled:
-                noise = sampling.position_noise(seq.noise_key, len(seq.output_ids) + i, 1, processed.shape[-1],
-                                                processed.device)
-                token = sampling.sample_with_noise(processed, noise)
-            else:
-                token = sampling.sample(processed, seq.params, seq.generator)
-            tokens[i] = token[0]
-            if probs is not None:
-                probs[i] = processed[0]
-            feed = token
-        return Proposal(tokens, probs, catch_up)
+            for row, j in enumerate(rows):
+                seq = seqs[j]
+                processed = seq.process(logits[row: row + 1].to(seq.device), tokens[j][:i], first_row=i)
+                if seq.noise_key is not None:
+                    noise = sampling.position_noise(seq.noise_key, len(seq.output_ids) + i, 1, processed.shape[-1],
+                                                    processed.device)
+                    token = sampling.sample_with_noise(processed, noise)
+                else:
+                    token = sampling.sample(processed, seq.params, seq.generator)
+                tokens[j][i] = token[0]
+                if probs[j] is not None:
+                    probs[j][i] = processed[0]
+                feeds[j] = token.reshape(1).to(self.runner.device)
+        return [Proposal(tokens[j], probs[j], catch_ups[j]) if ks[j] > 0 else Proposal.empty(seqs[j].device)
+                for j in range(len(seqs))]

@@ -4,18 +4,19 @@ as in LayerSkip / Draft & Verify). The view shares the target's weights; only it
 from __future__ import annotations
 
 from quickdraft.drafts.draft_model import DraftModelProposer
-from quickdraft.models.runner import HFRunner, quantized, truncated_view
+from quickdraft.models.runner import Runner
 
 
 class LayerSkipProposer(DraftModelProposer):
     name = "layer_skip"
 
-    def __init__(self, target, num_layers: int, quantization: str | None = None):
-        if hasattr(target, "truncated"):  # the native runner shares its layer list
-            runner = target.truncated(num_layers)
-        else:
-            runner = HFRunner(truncated_view(target.model, num_layers), name=f"{target.name}[:{num_layers} layers]")
+    def __init__(self, target: Runner, num_layers: int, quantization: str | None = None):
+        runner = target.truncated(num_layers)
         if quantization:
-            runner = quantized(runner, quantization)
+            runner = runner.quantized(quantization)
         super().__init__(runner, target.vocab_size)
         self.num_layers = num_layers
+
+    @classmethod
+    def from_config(cls, config, context) -> "LayerSkipProposer":
+        return cls(context.target, config.num_layers, config.quantization)

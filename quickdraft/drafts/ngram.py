@@ -34,6 +34,10 @@ class NgramProposer(Proposer):
             raise QuickdraftError(f"ngram: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n} and {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
+    @classmethod
+    def from_config(cls, config, context) -> "NgramProposer":
+        return cls(config.prompt_lookup_min, config.prompt_lookup_max)
+
     def propose(self, seq, k: int) -> Proposal:
         ids = np.asarray(seq.token_ids, dtype=np.int64)
         tokens = find_continuation(ids, self.min_n, self.max_n, k)

@@ -7,12 +7,16 @@ the target's: quantization here changes only the speed, never the text."""
 from __future__ import annotations
 
 from quickdraft.drafts.draft_model import DraftModelProposer
-from quickdraft.models.runner import quantized
+from quickdraft.models.runner import Runner
 
 
 class QuantizedSelfProposer(DraftModelProposer):
     name = "quantized"
 
-    def __init__(self, target, scheme: str = "int8"):
-        super().__init__(quantized(target, scheme), target.vocab_size)
+    def __init__(self, target: Runner, scheme: str = "int8"):
+        super().__init__(target.quantized(scheme), target.vocab_size)
         self.scheme = scheme
+
+    @classmethod
+    def from_config(cls, config, context) -> "QuantizedSelfProposer":
+        return cls(context.target, config.quantization)

@@ -125,6 +125,15 @@ def resolve(spec: str) -> ModelSource:
     )
 
 
+def quiet_transformers() -> None:
+    """transformers' warnings and progress bars off (the command line's and the bench's output)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

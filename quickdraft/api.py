@@ -11,6 +11,7 @@ from typing import Any, Iterable, Iterator, Sequence as Seq
 import torch
 from torch import nn
 
+from quickdraft import kv_pool
 from quickdraft.drafts import DraftContext, Proposer, SpeculativeConfig, build_proposer
 from quickdraft.engine import Engine, RequestMetrics
 from quickdraft.errors import QuickdraftError, TokenizerMismatchError
@@ -130,12 +131,14 @@ class LLM:
         runner: str = "auto",
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 4096,
+        kv_cache_memory: int | float | None = None,
     ):
         _check_llm_arguments(model, seed, trust_remote_code, runner, max_model_len)
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise QuickdraftError(f"{name} must be an integer >= 1, got {value!r}")
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        kv_pool.check_budget(kv_cache_memory)  # before anything loads
         self.device = loader.resolve_device(device)
         if isinstance(model, nn.Module) and isinstance(dtype, str) and dtype == "auto":
             self.dtype = next(model.parameters()).dtype  # a model object keeps its dtype unless told otherwise
@@ -169,6 +172,12 @@ class LLM:
         # speculation consumed (adaptive K changes that from run to run).
         self._seeded = seed is not None
         self._seed_rng = random.Random(seed)
+        # The KV cache budget in bytes (None: unbounded), measured after the models are loaded.
+        self.kv_cache_memory = kv_pool.resolve_budget(kv_cache_memory, self.device)
+        if self.kv_cache_memory is not None and not kv_pool.estimate(self.engine, self.kv_cache_memory)["total_blocks"]:
+            estimate = kv_pool.estimate(self.engine, None)
+            raise QuickdraftError(f"kv_cache_memory of {self.kv_cache_memory} bytes holds no block of KV cache "
+                                  f"(16 positions x {estimate['bytes_per_token']} bytes per token); give more")
 
     def with_speculative_config(self, speculative_config: dict[str, Any] | SpeculativeConfig) -> "LLM":
         """An LLM with this one's target (its runner, weights and tokenizer shared, not copied) and another
@@ -269,7 +278,14 @@ class LLM:
         """A continuous-batching scheduler on this LLM's engine (what generate uses, and what a server drives):
         `add_request(request_id, prompt_ids, params)`, `step()`, `abort_request(request_id)`."""
         return Scheduler(self.engine, self.tokenizer, max_num_seqs or self.max_num_seqs,
-                         max_num_batched_tokens or self.max_num_batched_tokens, self._sequences)
+                         max_num_batched_tokens or self.max_num_batched_tokens, self._sequences,
+                         kv_budget_bytes=getattr(self, "kv_cache_memory", None))
+
+    def kv_cache_estimate(self) -> dict[str, Any]:
+        """The KV cache before running: bytes per token (target, plus a draft model's own caches: layers x
+        kv_heads x head_dim x 2 x dtype size each), and with kv_cache_memory the budget in bytes, its blocks of
+        16 positions and the tokens they hold (each scheduler gets this budget)."""
+        return kv_pool.estimate(self.engine, getattr(self, "kv_cache_memory", None))
 
     @staticmethod
     def _output(text: str | None, prompt_ids: list[int], request: Request) -> RequestOutput:

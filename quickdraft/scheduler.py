@@ -7,6 +7,15 @@ A request is its n completions (one Sequence each, with its own detokenizer). `a
 caches of sequences that finished, and returns one `SequenceUpdate` per sequence that produced tokens.
 `abort_request` drops a request's sequences at once, waiting or running. This is the interface the API's
 `generate` drives, and the one a server drives.
+
+With a KV pool (quickdraft.kv_pool: a memory budget in blocks of 16 positions over the target's and a draft
+model's caches), before each step every running sequence must be able to grow to len(token_ids) + K + 1
+positions (target and draft caches); when the pool cannot grant it, the most recently admitted running
+sequence is preempted: its caches and blocks are freed and it goes back to the FRONT of the waiting queue as a
+recompute (its Sequence keeps prompt and output; with empty caches its next step reads the whole history as a
+prompt, k = 0, which gives the same numbers). A waiting sequence is admitted only when the pool can hold its
+history plus K + 1 positions. A request one sequence of which could not fit even alone (prompt + max_tokens +
+K over the pool's capacity) is refused at add_request with a QuickdraftError, rather than cut short.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from typing import Any, Callable
 from quickdraft.detokenize import Detokenizer
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
+from quickdraft.kv_pool import KVPool, cache_runners, round_up, runner_bytes_per_token
 from quickdraft.params import SamplingParams
 from quickdraft.sequence import Sequence
 
@@ -52,7 +62,8 @@ class Request:
 class Scheduler:
     def __init__(self, engine: Engine, tokenizer: Any = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096,
-                 make_sequences: Callable[[list[int], SamplingParams], list[Sequence]] | None = None):
+                 make_sequences: Callable[[list[int], SamplingParams], list[Sequence]] | None = None,
+                 kv_budget_bytes: int | None = None):
         if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
             raise QuickdraftError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         if not (isinstance(max_num_batched_tokens, int) and max_num_batched_tokens >= 1):
@@ -66,7 +77,19 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, Request] = {}
         self.waiting: deque[tuple[Request, int]] = deque()  # (request, completion index), in arrival order
-        self.running: list[tuple[Request, int]] = []
+        self.running: list[tuple[Request, int]] = []  # in admission order: the last was admitted last
+        # The KV memory budget (None: unbounded). Runners whose caches count: the target, a draft model's own.
+        self._runners = cache_runners(engine)
+        self._bytes_per_token = [runner_bytes_per_token(r) for r in self._runners]
+        self.pool: KVPool | None = None
+        if kv_budget_bytes is not None:
+            self.pool = KVPool(sum(self._bytes_per_token), kv_budget_bytes)
+            if self.pool.total_blocks < 1:
+                raise QuickdraftError(f"kv_cache_memory of {kv_budget_bytes} bytes holds no block of KV cache "
+                                      f"({self.pool.block_bytes} bytes: 16 positions x "
+                                      f"{self.pool.bytes_per_token} bytes per token); give more")
+        self.num_preemptions = 0
+        self.peak_kv_bytes = 0  # the most bytes the live sequences' cache tensors took after a step (measured)
 
     # --- the interface ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -76,6 +99,8 @@ class Scheduler:
         if not isinstance(params, SamplingParams):
             raise QuickdraftError(f"params must be a SamplingParams, got {type(params).__name__}")
         detokenizers = [Detokenizer(self.tokenizer, params)]  # refuses stop strings without a tokenizer, first
+        if self.pool is not None:
+            self._check_fits(prompt_ids, params)
         sequences = self.make_sequences(prompt_ids, params)
         detokenizers = [Detokenizer(self.tokenizer, seq.params) for seq in sequences]
         request = Request(request_id, sequences, detokenizers)
@@ -110,11 +135,29 @@ class Scheduler:
 
     def step(self) -> list[SequenceUpdate]:
         """Admit, run one batched step, detokenize, retire. Returns the updates of this step."""
+        if self.pool is not None:
+            self._grow_running()
         self._admit()
         if not self.running:
             return []
         batch = list(self.running)
-        committed = self.engine.step_batch([request.sequences[index] for request, index in batch])
+        try:
+            committed = self.engine.step_batch([request.sequences[index] for request, index in batch])
+        except BaseException:
+            # The step's sequences are in an unknown state: end them (finish_reason "error") and free their
+            # blocks, so that nothing leaks, then let the caller see the exception.
+            for request, index in batch:
+                seq = request.sequences[index]
+                if not seq.finished:
+                    seq.finish_reason = "error"
+                self._free(seq)
+            stepped = {(id(r), i) for r, i in batch}
+            self.running = [(r, i) for r, i in self.running if (id(r), i) not in stepped]
+            for request in {id(r): r for r, _ in batch}.values():
+                if request.finished:
+                    self.requests.pop(request.request_id, None)
+            raise
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_measured_bytes())
         now = time.perf_counter()
         updates = []
         for (request, index), tokens in zip(batch, committed):
@@ -147,11 +190,90 @@ class Scheduler:
             rows = self._rows(request.sequences[index])
             if rows > budget and self.running:  # a prompt larger than the budget still runs, alone
                 break
+            if self.pool is not None and not self._reserve(request.sequences[index]):
+                self._release(request.sequences[index])  # whatever part it got; it waits, first in line
+                break
             self.waiting.popleft()
             self.running.append((request, index))
             budget -= rows
 
     def _free(self, seq: Sequence) -> None:
         """Release a finished or aborted sequence's KV memory (target and draft)."""
+        self._release(seq)
         seq.target_cache = self.engine.target.new_cache()
         seq.draft_state = None
+
+    # --- the KV budget ------------------------------------------------------------------------------------
+    @property
+    def kv_usage(self) -> dict[str, int] | None:
+        """{"used_blocks", "total_blocks", "block_size", "used_bytes", "budget_bytes"}; None without a budget."""
+        return None if self.pool is None else self.pool.usage()
+
+    def kv_measured_bytes(self) -> int:
+        """The bytes the live sequences' cache tensors actually take now (native caches; with or without a
+        budget)."""
+        total = 0
+        for request, index in self.running:
+            seq = request.sequences[index]
+            for cache in (seq.target_cache, seq.draft_state):
+                total += int(getattr(cache, "nbytes", 0) or 0)
+        return total
+
+    def _caches(self, seq: Sequence) -> list[tuple[object, object, int]]:
+        """(cache, runner, bytes per token) of each cache of `seq` that the budget counts."""
+        caches = [(seq.target_cache, self._runners[0], self._bytes_per_token[0])]
+        if len(self._runners) > 1 and seq.draft_state is not None:
+            caches.append((seq.draft_state, self._runners[1], self._bytes_per_token[1]))
+        return caches
+
+    def _reserve(self, seq: Sequence) -> bool:
+        """Make every counted cache of `seq` able to hold len(token_ids) + K + 1 positions for its next step."""
+        length = len(seq.token_ids) + self.engine.k + 1
+        return all(self.pool.ensure(cache, length, bpt, runner.max_len) for cache, runner, bpt in self._caches(seq))
+
+    def _release(self, seq: Sequence) -> None:
+        if self.pool is None:
+            return
+        for cache in (seq.target_cache, seq.draft_state):
+            if cache is None:
+                continue
+            if hasattr(cache, "release"):
+                cache.release()
+            else:
+                self.pool.release(cache)
+
+    def _grow_running(self) -> None:
+        """Before a step: every running sequence must be able to grow to what the step may write; where the
+        pool cannot grant it, preempt the most recently admitted running sequence and try again."""
+        i = 0
+        while i < len(self.running):
+            request, index = self.running[i]
+            if self._reserve(request.sequences[index]):
+                i += 1
+                continue
+            self._preempt(self.running.pop())  # the most recently admitted (maybe this one)
+
+    def _preempt(self, item: tuple[Request, int]) -> None:
+        """Free a running sequence's caches and blocks and put it first in the waiting queue: it recomputes its
+        whole history (prompt and output) as a prompt when it is admitted again."""
+        request, index = item
+        seq = request.sequences[index]
+        self._release(seq)
+        seq.target_cache = self.engine.target.new_cache()
+        seq.draft_state = self.engine.proposer.new_state(seq)
+        self.waiting.appendleft(item)
+        self.num_preemptions += 1
+
+    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Refuse a request one sequence of which could not run even alone in the pool."""
+        # The last step starts with prompt + max_tokens - 1 tokens and reserves K + 1 more positions.
+        longest = min(len(prompt_ids) + params.max_tokens - 1, self.engine.max_len - 1) + self.engine.k + 1
+        need = sum(round_up(min(longest, runner.max_len)) * bpt
+                   for runner, bpt in zip(self._runners, self._bytes_per_token))
+        if need > self.pool.budget_bytes:
+            raise QuickdraftError(
+                f"this request cannot fit in the KV cache budget: prompt ({len(prompt_ids)} tokens) + max_tokens "
+                f"({params.max_tokens}) + {self.engine.k + 1} positions of speculation need "
+                f"{-(-need // self.pool.block_bytes)} blocks of 16 positions, but kv_cache_memory holds "
+                f"{self.pool.total_blocks} ({self.pool.max_tokens} tokens); lower max_tokens, shorten the prompt "
+                "or raise kv_cache_memory")

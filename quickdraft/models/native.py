@@ -173,24 +173,55 @@ def _single(linear: nn.Linear) -> Linear:
 class StaticSequenceCache(SequenceCache):
     """Keys and values in preallocated tensors [layers, kv_heads, capacity, head_dim], position i at index i.
     Rolling back only shortens the token list (SequenceCache.rollback): later writes overwrite the rejected
-    positions."""
+    positions.
+
+    Growth is block-granular: the capacity is a multiple of 16 positions (the packed key layout's unit) and
+    grows by max(64 positions, 25%), capped at the runner's max_len, keeping the contents. With a KV pool
+    attached (quickdraft.kv_pool, the scheduler's memory budget) the cache asks the pool first and holds
+    exactly what it granted: between what was asked for and the policy's size, or KVPoolFull."""
+
+    BLOCK = 16
 
     def __init__(self, runner: "NativeRunner"):
         super().__init__()
         self._runner = runner
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self.pool = None  # a KVPool granting this cache's growth; None: no budget
 
     @property
     def capacity(self) -> int:
         return 0 if self.values is None else self.values.shape[2]
 
+    @property
+    def bytes_per_token(self) -> int:
+        r = self._runner
+        return r.num_layers * r.num_kv_heads * r.head_dim * 2 * torch.empty((), dtype=r.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes its tensors take now."""
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+
+    def attach_pool(self, pool) -> None:
+        if self.pool is not None and self.pool is not pool:
+            raise ValueError("this cache already draws on another KV pool")
+        self.pool = pool
+
     def reserve(self, length: int) -> None:
         if length <= self.capacity:
             return
+        r, block = self._runner, self.BLOCK
+        need = -(-length // block) * block
+        limit = max(-(-r.max_len // block) * block, need)
+        grown = self.capacity + max(64, self.capacity // 4)
+        want = min(max(need, -(-grown // block) * block), limit)
+        if self.pool is not None:
+            want = self.pool.grant(self, self.bytes_per_token, need, want)  # raises KVPoolFull below `need`
+        self._resize(want)
+
+    def _resize(self, capacity: int) -> None:
         r = self._runner
-        capacity = min(max(length, 2 * self.capacity, 256), max(r.max_len, length))
-        capacity += -capacity % 16
         shape = (r.num_layers, r.num_kv_heads, capacity, r.head_dim)
         values = torch.empty(shape, dtype=r.dtype, device=r.device)
         if r.packed_keys:  # each head's keys packed like a weight (see kernels/cpu_attention.cpp)
@@ -204,6 +235,14 @@ class StaticSequenceCache(SequenceCache):
             keys[:, :, :filled] = self.keys[:, :, :filled]
             values[:, :, :used] = self.values[:, :, :used]
         self.keys, self.values = keys, values
+
+    def release(self) -> None:
+        """Drop every position and the tensors, and give the blocks back to the pool."""
+        if self.pool is not None:
+            self.pool.release(self)
+        self.keys = self.values = None
+        self._token_ids = []
+        self._pending = []
 
     def _new_kv(self) -> None:
         return None  # keys and values live in self.keys / self.values

@@ -19,37 +19,49 @@ DECAY = 0.9
 PRIOR_COST_SLOPE = 0.05
 
 
-class StepCosts:
-    """Moving averages of a step's wall time by the number of draft tokens it verified."""
+class _Curve:
+    """Moving averages of a cost at integer points, linearly interpolated between measured points and
+    extrapolated with the slope of the nearest two (never negative)."""
 
-    def __init__(self, max_k: int, smoothing: float = 0.2):
-        self.seconds: list[float | None] = [None] * (max_k + 1)
+    def __init__(self, smoothing: float = 0.2):
+        self.points: dict[int, float] = {}
         self.smoothing = smoothing
 
-    def record(self, k: int, seconds: float) -> None:
-        if k >= len(self.seconds):
-            self.seconds.extend([None] * (k + 1 - len(self.seconds)))
-        old = self.seconds[k]
-        self.seconds[k] = seconds if old is None else old + self.smoothing * (seconds - old)
+    def record(self, x: int, seconds: float) -> None:
+        old = self.points.get(x)
+        self.points[x] = seconds if old is None else old + self.smoothing * (seconds - old)
 
-    def estimate(self, k: int) -> float | None:
-        """The measured (or, between and beyond measured points, linearly inferred) time of a step."""
-        if k < len(self.seconds) and self.seconds[k] is not None:
-            return self.seconds[k]
-        known = [(j, s) for j, s in enumerate(self.seconds) if s is not None]
+    def estimate(self, x: int, prior_slope: float) -> float | None:
+        if x in self.points:
+            return self.points[x]
+        known = sorted(self.points.items())
         if not known:
             return None
         if len(known) == 1:
-            j, s = known[0]
-            return s * (1 + PRIOR_COST_SLOPE * k) / (1 + PRIOR_COST_SLOPE * j)
-        below = [(j, s) for j, s in known if j < k]
-        above = [(j, s) for j, s in known if j > k]
+            x0, s0 = known[0]
+            return max(1e-9, s0 * (1 + prior_slope * (x - x0)))
+        below = [p for p in known if p[0] < x]
+        above = [p for p in known if p[0] > x]
         if below and above:
-            (j0, s0), (j1, s1) = below[-1], above[0]
+            (x0, s0), (x1, s1) = below[-1], above[0]
         else:
-            (j0, s0), (j1, s1) = (known[-2], known[-1]) if below else (known[0], known[1])
-        slope = max(0.0, (s1 - s0) / (j1 - j0))
-        return max(1e-9, s0 + slope * (k - j0))
+            (x0, s0), (x1, s1) = (known[-2], known[-1]) if below else (known[0], known[1])
+        slope = max(0.0, (s1 - s0) / (x1 - x0))
+        return max(1e-9, s0 + slope * (x - x0))
+
+
+class StepCosts:
+    """Moving averages of a one-sequence step's wall time by the number of draft tokens it verified."""
+
+    def __init__(self, max_k: int, smoothing: float = 0.2):
+        self.curve = _Curve(smoothing)
+
+    def record(self, k: int, seconds: float) -> None:
+        self.curve.record(k, seconds)
+
+    def estimate(self, k: int) -> float | None:
+        """The measured (or, between and beyond measured points, linearly inferred) time of a step."""
+        return self.curve.estimate(k, PRIOR_COST_SLOPE)
 
 
 class AcceptanceStats:
@@ -95,37 +107,6 @@ def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int) -> int:
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k
-
-
-class _Curve:
-    """Moving averages of a cost at integer points, linearly interpolated between measured points and
-    extrapolated with the slope of the nearest two (never negative)."""
-
-    def __init__(self, smoothing: float = 0.2):
-        self.points: dict[int, float] = {}
-        self.smoothing = smoothing
-
-    def record(self, x: int, seconds: float) -> None:
-        old = self.points.get(x)
-        self.points[x] = seconds if old is None else old + self.smoothing * (seconds - old)
-
-    def estimate(self, x: int, prior_slope: float) -> float | None:
-        if x in self.points:
-            return self.points[x]
-        known = sorted(self.points.items())
-        if not known:
-            return None
-        if len(known) == 1:
-            x0, s0 = known[0]
-            return max(1e-9, s0 * (1 + prior_slope * (x - x0)))
-        below = [p for p in known if p[0] < x]
-        above = [p for p in known if p[0] > x]
-        if below and above:
-            (x0, s0), (x1, s1) = below[-1], above[0]
-        else:
-            (x0, s0), (x1, s1) = (known[-2], known[-1]) if below else (known[0], known[1])
-        slope = max(0.0, (s1 - s0) / (x1 - x0))
-        return max(1e-9, s0 + slope * (x - x0))
 
 
 class BatchCosts:

@@ -11,6 +11,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine a second thread makes every
+    forward many times slower: tests of tiny models use one (`pytestmark = pytest.mark.usefixtures(...)`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _sharpen(model):
     """Larger-than-default weights give peaked, varied distributions instead of near-uniform ones."""
     with torch.no_grad():

@@ -76,10 +76,10 @@ def test_a_draft_catching_up_after_plain_steps_is_not_timed_as_the_cost_of_draft
     adaptive = Engine(llm.target, proposer, 2, adaptive_k=True)
     for _ in range(6):
         plain.step(seq)
-    adaptive.step_costs.seconds = [0.01, None, None]
-    before = list(adaptive.step_costs.seconds)
+    adaptive.step_costs.record(0, 0.01)
+    before = dict(adaptive.step_costs.curve.points)
     adaptive.step(seq)  # max K with costs unmeasured -> drafts, after a catch-up: not recorded
-    assert adaptive.step_costs.seconds == before
+    assert adaptive.step_costs.curve.points == before
 
 
 def _stats(proposed, accepted, times=40):

@@ -19,13 +19,7 @@ needs_kernels = pytest.mark.skipif(cpu_linear() is None, reason="quickdraft's CP
 BUILDS = {"llama16": tiny_llama16, "gemma16": tiny_gemma16, "qwen2": tiny_qwen2}  # gemma16: sliding window 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: one thread runs them many times faster than two on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
 
 
 def _steps(long: int, medium: int) -> list:

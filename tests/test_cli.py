@@ -22,6 +22,18 @@ def _cli(*args, timeout=300):
     (["generate", "hi", "--draft", "layers:x"], "layers:N"),
     (["generate", "hi", "--model", "./no/such/dir"], "unknown model"),
     (["generate", "hi", "--model", "missing.gguf"], "does not exist"),
+    (["generate", "hi", "--temperature", "inf"], "temperature"),
+    (["generate", "hi", "--temperature", "nan"], "temperature"),
+    (["generate", "hi", "--seed", str(2 ** 70)], "seed"),
+    (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["generate", "hi", "--min-p", "2"], "min_p"),
+    (["generate", "hi", "--presence-penalty", "5"], "presence_penalty"),
+    (["generate", "hi", "--repetition-penalty", "0"], "repetition_penalty"),
+    (["generate", "hi", "--k", "-1"], "num_speculative_tokens"),
+    (["generate", "hi", "--draft", "layers:0"], "num_layers"),
+    (["generate", "hi", "--stop", ""], "stop strings"),
+    (["generate", "hi", "--k", "two"], "invalid int value"),
+    (["generate", "hi", "--dtype", "int4"], "invalid choice"),
 ])
 def test_bad_input_exits_2_with_a_clear_message(args, word):
     result = _cli(*args)

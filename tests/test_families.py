@@ -19,13 +19,7 @@ from quickdraft.models.runner import HFRunner, make_runner
 needs_kernels = pytest.mark.skipif(cpu_linear() is None, reason="quickdraft's CPU kernels need AVX512-BF16")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: one thread runs them many times faster than two on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
 
 # family -> (config class, model class), by name in transformers
 CLASSES = {

@@ -76,14 +76,7 @@ CELLS = list(itertools.product(range(VOCAB), repeat=T))
 INDEX = {cell: i for i, cell in enumerate(CELLS)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine a second thread makes
-    # every forward many times slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
 
 
 @functools.lru_cache(maxsize=None)

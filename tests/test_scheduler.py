@@ -14,13 +14,7 @@ BASE = [5, 9, 3, 7, 5, 9, 3, 1, 2, 5, 9, 4, 4, 8, 1, 5, 9, 3]
 PROMPTS = [{"prompt_token_ids": BASE[:n]} for n in (3, 11, 7, 18, 1, 5)]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models on a busy 2-core machine run far faster on one thread.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
 
 
 def _methods(build):

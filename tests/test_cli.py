@@ -64,3 +64,23 @@ def test_generate_json_and_summary():
 def test_prompt_longer_than_context():
     result = _cli("generate", "word " * 9000, "--max-tokens", "4")
     assert result.returncode == 2 and "context" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_the_readme_first_command_shows_what_speculation_did():
+    """Issue 9, defect 12 (failed before: --compare did not exist, and the summary counted drafts that were
+    never output). The README's prompt: drafts are accepted, the summary is consistent, plain and speculative
+    texts are identical."""
+    prompt = ("Fix the typos in this text and return it: Speculative decodng lets a smal draft model propose "
+              "tokens that the big model checks in one pass. The output is exactly the same as without it, only "
+              "faster.")
+    result = _cli("generate", prompt, "--chat", "--compare", "--max-tokens", "24")
+    assert result.returncode == 0, result.stderr
+    assert "Speculative" in result.stdout
+    assert "texts identical" in result.stderr and "without speculation" in result.stderr
+    result = _cli("generate", prompt, "--chat", "--compare", "--max-tokens", "24", "--json")
+    data = json.loads(result.stdout)
+    m = data["metrics"]
+    assert data["compare"]["identical"] and m["accepted_tokens"] > 0
+    assert m["num_generated_tokens"] == len(data["token_ids"]) <= m["target_forwards"] + m["accepted_tokens"]
+    assert m["mean_acceptance_length"] == pytest.approx(1 + m["accepted_tokens"] / m["num_drafts"])

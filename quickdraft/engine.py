@@ -1,10 +1,11 @@
 """The propose-verify-accept loop.
 
-One step for one sequence: the proposer drafts k tokens; the target runs once on the tokens its cache
-lacks (the last committed token; on the first step the whole prompt, alone) followed by the k drafts; the
-k+1 last rows of its logits are processed with the request's sampling parameters and verified against the
-draft; the accepted prefix plus one target token (the correction or the bonus) is committed; the target's
-cache rolls back to exactly the committed positions. All per-request state lives on the Sequence.
+One step for a batch of sequences: the proposer drafts k_i tokens for each; the target runs once on every
+sequence's new tokens (its last committed token, or on its first step its whole prompt with no drafts)
+followed by its k_i drafts; each sequence's k_i+1 last rows are processed with its sampling parameters and
+verified against its draft; the accepted prefix plus one target token (the correction or the bonus) is
+committed; each target cache rolls back to exactly the committed positions. Per-request state lives on the
+Sequence.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from quickdraft import adaptive, sampling, verify
 from quickdraft.drafts.base import Proposal, Proposer
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.runner import HFRunner
+from quickdraft.models.runner import Runner
 from quickdraft.params import SamplingParams
 from quickdraft.sequence import RequestMetrics, Sequence
 
@@ -27,7 +28,7 @@ __all__ = ["Engine", "RequestMetrics", "Sequence"]
 class Engine:
     """Speculative decoding of sequences with one target runner and one proposer."""
 
-    def __init__(self, target: HFRunner, proposer: Proposer, num_speculative_tokens: int,
+    def __init__(self, target: Runner, proposer: Proposer, num_speculative_tokens: int,
                  eos_token_ids: set[int] | None = None, max_len: int | None = None, adaptive_k: bool = False):
         if num_speculative_tokens < 0:
             raise QuickdraftError(f"num_speculative_tokens must be >= 0 (0: plain decoding), got {num_speculative_tokens}")

@@ -131,9 +131,6 @@ class KVPool:
         entry = self._held.get(id(cache))
         return 0 if entry is None else entry[1]
 
-    def fits(self, nbytes: int) -> bool:
-        return nbytes <= self.free_bytes
-
     # --- granting ---
     def grant(self, cache: Any, bytes_per_token: int, need: int, want: int) -> int:
         """Positions `cache` may hold: `want` if the pool has room for it, else the most that fits down to
@@ -176,13 +173,6 @@ class KVPool:
         except KVPoolFull:
             return False
         return True
-
-    def measured_bytes(self) -> int:
-        """The bytes the held caches' tensors actually take (native caches; others count as accounted)."""
-        total = 0
-        for cache, nbytes in self._held.values():
-            total += cache.nbytes if hasattr(cache, "attach_pool") else nbytes
-        return total
 
     def usage(self) -> dict[str, int]:
         return {"used_blocks": self.used_blocks, "total_blocks": self.total_blocks, "block_size": self.block_size,

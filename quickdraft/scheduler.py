@@ -51,7 +51,6 @@ class Request:
     sequences: list[Sequence]
     detokenizers: list[Detokenizer]
     arrival_time: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
     aborted: bool = False
 
     @property
@@ -98,11 +97,12 @@ class Scheduler:
             raise QuickdraftError(f"request id {request_id!r} is already in use; give each request its own id")
         if not isinstance(params, SamplingParams):
             raise QuickdraftError(f"params must be a SamplingParams, got {type(params).__name__}")
-        detokenizers = [Detokenizer(self.tokenizer, params)]  # refuses stop strings without a tokenizer, first
+        # One detokenizer per completion (they share params); built first: it refuses stop strings without a
+        # tokenizer before anything is allocated.
+        detokenizers = [Detokenizer(self.tokenizer, params) for _ in range(params.n)]
         if self.pool is not None:
             self._check_fits(prompt_ids, params)
         sequences = self.make_sequences(prompt_ids, params)
-        detokenizers = [Detokenizer(self.tokenizer, seq.params) for seq in sequences]
         request = Request(request_id, sequences, detokenizers)
         self.requests[request_id] = request
         self.waiting.extend((request, index) for index in range(len(sequences)))
@@ -163,8 +163,6 @@ class Scheduler:
         for (request, index), tokens in zip(batch, committed):
             seq = request.sequences[index]
             delta = request.detokenizers[index].update(seq, len(tokens))  # may cut at a stop string
-            if request.first_token_time is None:
-                request.first_token_time = now
             metrics = seq.metrics
             if metrics.first_token_time_s is None:
                 metrics.first_token_time_s = now - request.arrival_time

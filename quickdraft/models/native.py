@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quickdraft import kernels
+from quickdraft import kernels, kv_pool
 from quickdraft.cache import SequenceCache
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.families import FAMILIES, NO_ROPE, STATIC_ROPE_TYPES, FamilySettings, sliding_window, \
@@ -195,8 +195,7 @@ class StaticSequenceCache(SequenceCache):
 
     @property
     def bytes_per_token(self) -> int:
-        r = self._runner
-        return r.num_layers * r.num_kv_heads * r.head_dim * 2 * torch.empty((), dtype=r.dtype).element_size()
+        return kv_pool.runner_bytes_per_token(self._runner)
 
     @property
     def nbytes(self) -> int:

@@ -113,6 +113,10 @@ class LLM:
         float32, bfloat16, float16.
     runner: auto (quickdraft's native decoder for Llama-family and Gemma 3 models, transformers otherwise),
         native, or hf (always the transformers forward).
+    max_num_seqs / max_num_batched_tokens: continuous batching limits (sequences per step, new target rows per
+        step). kv_cache_memory: a KV budget in bytes or a fraction of free memory (None: unbounded).
+    enable_prefix_caching: keep full blocks of KV by their token prefix and copy them into later requests that
+        start alike (None: on where the target computes rows alike whatever the batch, so reuse is exact).
     """
 
     def __init__(
@@ -132,8 +136,11 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 4096,
         kv_cache_memory: int | float | None = None,
+        enable_prefix_caching: bool | None = None,
     ):
         _check_llm_arguments(model, seed, trust_remote_code, runner, max_model_len)
+        if enable_prefix_caching is not None and not isinstance(enable_prefix_caching, bool):
+            raise QuickdraftError(f"enable_prefix_caching must be true, false or None (auto), got {enable_prefix_caching!r}")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise QuickdraftError(f"{name} must be an integer >= 1, got {value!r}")
@@ -178,6 +185,12 @@ class LLM:
             estimate = kv_pool.estimate(self.engine, None)
             raise QuickdraftError(f"kv_cache_memory of {self.kv_cache_memory} bytes holds no block of KV cache "
                                   f"(16 positions x {estimate['bytes_per_token']} bytes per token); give more")
+        # Prefix caching by default only where a kept block holds exactly what a fresh prefill computes (the
+        # target computes each row alike whatever the call: quickdraft's CPU kernels); elsewhere a reused
+        # prefix could change a near-tie, so it is the user's choice.
+        self.enable_prefix_caching = self.target.rows_invariant if enable_prefix_caching is None \
+            else enable_prefix_caching
+        self.kv_memory = kv_pool.KVMemory(self.engine, self.kv_cache_memory, self.enable_prefix_caching)
 
     def with_speculative_config(self, speculative_config: dict[str, Any] | SpeculativeConfig) -> "LLM":
         """An LLM with this one's target (its runner, weights and tokenizer shared, not copied) and another
@@ -189,6 +202,7 @@ class LLM:
                               self.engine.eos_token_ids, self.engine.max_len,
                               adaptive_k=other.speculative_config.adaptive)
         other._seed_rng = random.Random(self._seed_rng.getrandbits(63))
+        other.kv_memory = kv_pool.KVMemory(other.engine, other.kv_cache_memory, other.enable_prefix_caching)
         return other
 
     # --- construction -------------------------------------------------------------------------------------
@@ -279,7 +293,7 @@ class LLM:
         `add_request(request_id, prompt_ids, params)`, `step()`, `abort_request(request_id)`."""
         return Scheduler(self.engine, self.tokenizer, max_num_seqs or self.max_num_seqs,
                          max_num_batched_tokens or self.max_num_batched_tokens, self._sequences,
-                         kv_budget_bytes=getattr(self, "kv_cache_memory", None))
+                         memory=self.kv_memory)
 
     def kv_cache_estimate(self) -> dict[str, Any]:
         """The KV cache before running: bytes per token (target, plus a draft model's own caches: layers x

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from quickdraft.detokenize import Detokenizer
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
-from quickdraft.kv_pool import KVPool, cache_runners, round_up, runner_bytes_per_token
+from quickdraft.kv_pool import KVMemory, KVPoolFull, StaticSequenceCache, round_up
 from quickdraft.params import SamplingParams
 from quickdraft.sequence import Sequence
 
@@ -62,7 +62,8 @@ class Scheduler:
     def __init__(self, engine: Engine, tokenizer: Any = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096,
                  make_sequences: Callable[[list[int], SamplingParams], list[Sequence]] | None = None,
-                 kv_budget_bytes: int | None = None):
+                 kv_budget_bytes: int | None = None, enable_prefix_caching: bool = False,
+                 memory: KVMemory | None = None):
         if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
             raise QuickdraftError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         if not (isinstance(max_num_batched_tokens, int) and max_num_batched_tokens >= 1):
@@ -77,16 +78,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[tuple[Request, int]] = deque()  # (request, completion index), in arrival order
         self.running: list[tuple[Request, int]] = []  # in admission order: the last was admitted last
-        # The KV memory budget (None: unbounded). Runners whose caches count: the target, a draft model's own.
-        self._runners = cache_runners(engine)
-        self._bytes_per_token = [runner_bytes_per_token(r) for r in self._runners]
-        self.pool: KVPool | None = None
-        if kv_budget_bytes is not None:
-            self.pool = KVPool(sum(self._bytes_per_token), kv_budget_bytes)
-            if self.pool.total_blocks < 1:
-                raise QuickdraftError(f"kv_cache_memory of {kv_budget_bytes} bytes holds no block of KV cache "
-                                      f"({self.pool.block_bytes} bytes: 16 positions x "
-                                      f"{self.pool.bytes_per_token} bytes per token); give more")
+        # The KV memory (an LLM passes its own, shared by its schedulers): the runners whose caches count, the
+        # budget's pool (None: unbounded) and the prefix caches.
+        self.memory = memory or KVMemory(engine, kv_budget_bytes, enable_prefix_caching)
+        self._runners = self.memory.runners
+        self._bytes_per_token = self.memory.bytes_per_token
+        self.pool = self.memory.pool
         self.num_preemptions = 0
         self.peak_kv_bytes = 0  # the most bytes the live sequences' cache tensors took after a step (measured)
 
@@ -158,6 +155,9 @@ class Scheduler:
                     self.requests.pop(request.request_id, None)
             raise
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_measured_bytes())
+        if self.memory.prefix_caching:
+            for request, index in batch:
+                self._store_prefix(request.sequences[index])
         now = time.perf_counter()
         updates = []
         for (request, index), tokens in zip(batch, committed):
@@ -185,10 +185,15 @@ class Scheduler:
         budget = self.max_num_batched_tokens - sum(self._rows(r.sequences[i]) for r, i in self.running)
         while self.waiting and len(self.running) < self.max_num_seqs:
             request, index = self.waiting[0]
-            rows = self._rows(request.sequences[index])
-            if rows > budget and self.running:  # a prompt larger than the budget still runs, alone
+            seq = request.sequences[index]
+            if not self._load_prefix(seq):
+                self._release(seq)
                 break
-            if self.pool is not None and not self._reserve(request.sequences[index]):
+            rows = self._rows(seq)
+            if rows > budget and self.running:  # a prompt larger than the budget still runs, alone
+                self._release(seq)  # a waiting sequence holds no memory (its prefix loads again next time)
+                break
+            if self.pool is not None and not self._reserve(seq):
                 self._release(request.sequences[index])  # whatever part it got; it waits, first in line
                 break
             self.waiting.popleft()
@@ -204,8 +209,37 @@ class Scheduler:
     # --- the KV budget ------------------------------------------------------------------------------------
     @property
     def kv_usage(self) -> dict[str, int] | None:
-        """{"used_blocks", "total_blocks", "block_size", "used_bytes", "budget_bytes"}; None without a budget."""
-        return None if self.pool is None else self.pool.usage()
+        """{"used_blocks", "total_blocks", "block_size", "used_bytes", "budget_bytes", "prefix_cached_blocks"};
+        None without a budget. used_* count the blocks kept for prefix caching too (evictable)."""
+        if self.pool is None:
+            return None
+        return {**self.pool.usage(), "prefix_cached_blocks": -(-self.memory.prefix_bytes() // self.pool.block_bytes)}
+
+    # --- prefix caching -------------------------------------------------------------------------------------
+    def _caches_with_prefix(self, seq: Sequence):
+        for (cache, _, _), prefix in zip(self._caches(seq), self.memory.prefix_caches):
+            if prefix is not None and isinstance(cache, StaticSequenceCache):
+                yield cache, prefix
+
+    def _load_prefix(self, seq: Sequence) -> bool:
+        """Before a sequence first runs (or reruns after preemption): copy the kept blocks of its longest
+        known prefix into its empty caches. False when the pool could not hold them (it waits)."""
+        for cache, prefix in self._caches_with_prefix(seq):
+            if len(cache):
+                continue
+            if self.pool is not None:
+                cache.attach_pool(self.pool)
+            try:
+                loaded = prefix.load(cache, seq.token_ids)
+            except KVPoolFull:
+                return False
+            if cache is seq.target_cache:
+                seq.metrics.num_cached_tokens = max(seq.metrics.num_cached_tokens, loaded)
+        return True
+
+    def _store_prefix(self, seq: Sequence) -> None:
+        for cache, prefix in self._caches_with_prefix(seq):
+            prefix.store(cache)
 
     def kv_measured_bytes(self) -> int:
         """The bytes the live sequences' cache tensors actually take now (native caches; with or without a
@@ -235,7 +269,7 @@ class Scheduler:
         for cache in (seq.target_cache, seq.draft_state):
             if cache is None:
                 continue
-            if hasattr(cache, "release"):
+            if isinstance(cache, StaticSequenceCache):
                 cache.release()
             else:
                 self.pool.release(cache)

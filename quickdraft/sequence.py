@@ -41,6 +41,7 @@ class RequestMetrics:
     adaptive K and the bench's cost model use."""
 
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt positions copied from the prefix cache instead of computed
     num_generated_tokens: int = 0
     num_speculative_tokens: int = 0
     target_forwards: int = 0
@@ -113,6 +114,7 @@ class RequestMetrics:
         if not parts:
             return RequestMetrics()
         total = RequestMetrics(num_prompt_tokens=parts[0].num_prompt_tokens,
+                               num_cached_tokens=parts[0].num_cached_tokens,
                                num_speculative_tokens=parts[0].num_speculative_tokens,
                                first_token_time_s=parts[0].first_token_time_s)
         for m in parts:

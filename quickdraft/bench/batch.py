@@ -28,6 +28,7 @@ def _median(values: Sequence[float]) -> float | None:
 def _quickdraft_round(llm, prompts: list[list[int]], batch: int, max_new_tokens: int, temperature: float,
                       seed: int) -> dict[str, Any]:
     llm.max_num_seqs = batch
+    llm.kv_memory.clear_prefix_caches()  # each round computes its prompts: no blocks kept from the last round
     params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed + i)
               for i in range(len(prompts))]
     start = time.perf_counter()

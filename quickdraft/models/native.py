@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quickdraft import kernels, kv_pool
+from quickdraft import kernels
+from quickdraft.kv_pool import StaticSequenceCache
 from quickdraft.cache import SequenceCache
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.families import FAMILIES, NO_ROPE, STATIC_ROPE_TYPES, FamilySettings, sliding_window, \
@@ -166,88 +167,6 @@ def _fuse(*linears: nn.Linear) -> Linear:
 
 def _single(linear: nn.Linear) -> Linear:
     return Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
-
-
-# --- the cache ------------------------------------------------------------------------------------------------
-
-class StaticSequenceCache(SequenceCache):
-    """Keys and values in preallocated tensors [layers, kv_heads, capacity, head_dim], position i at index i.
-    Rolling back only shortens the token list (SequenceCache.rollback): later writes overwrite the rejected
-    positions.
-
-    Growth is block-granular: the capacity is a multiple of 16 positions (the packed key layout's unit) and
-    grows by max(64 positions, 25%), capped at the runner's max_len, keeping the contents. With a KV pool
-    attached (quickdraft.kv_pool, the scheduler's memory budget) the cache asks the pool first and holds
-    exactly what it granted: between what was asked for and the policy's size, or KVPoolFull."""
-
-    BLOCK = 16
-
-    def __init__(self, runner: "NativeRunner"):
-        super().__init__()
-        self._runner = runner
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.pool = None  # a KVPool granting this cache's growth; None: no budget
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.values is None else self.values.shape[2]
-
-    @property
-    def bytes_per_token(self) -> int:
-        return kv_pool.runner_bytes_per_token(self._runner)
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes its tensors take now."""
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
-
-    def attach_pool(self, pool) -> None:
-        if self.pool is not None and self.pool is not pool:
-            raise ValueError("this cache already draws on another KV pool")
-        self.pool = pool
-
-    def reserve(self, length: int) -> None:
-        if length <= self.capacity:
-            return
-        r, block = self._runner, self.BLOCK
-        need = -(-length // block) * block
-        limit = max(-(-r.max_len // block) * block, need)
-        grown = self.capacity + max(64, self.capacity // 4)
-        want = min(max(need, -(-grown // block) * block), limit)
-        if self.pool is not None:
-            want = self.pool.grant(self, self.bytes_per_token, need, want)  # raises KVPoolFull below `need`
-        self._resize(want)
-
-    def _resize(self, capacity: int) -> None:
-        r = self._runner
-        shape = (r.num_layers, r.num_kv_heads, capacity, r.head_dim)
-        values = torch.empty(shape, dtype=r.dtype, device=r.device)
-        if r.packed_keys:  # each head's keys packed like a weight (see kernels/cpu_attention.cpp)
-            keys = torch.empty((r.num_layers, r.num_kv_heads, capacity // 16, r.head_dim // 2, 16, 2),
-                               dtype=r.dtype, device=r.device)
-        else:
-            keys = torch.empty(shape, dtype=r.dtype, device=r.device)
-        if self.keys is not None:
-            used = len(self)
-            filled = -(-used // 16) if r.packed_keys else used  # blocks of 16 positions, or positions
-            keys[:, :, :filled] = self.keys[:, :, :filled]
-            values[:, :, :used] = self.values[:, :, :used]
-        self.keys, self.values = keys, values
-
-    def release(self) -> None:
-        """Drop every position and the tensors, and give the blocks back to the pool."""
-        if self.pool is not None:
-            self.pool.release(self)
-        self.keys = self.values = None
-        self._token_ids = []
-        self._pending = []
-
-    def _new_kv(self) -> None:
-        return None  # keys and values live in self.keys / self.values
-
-    def _drop_kv(self, count: int) -> None:
-        pass  # positions past the length are overwritten by the next writes
 
 
 # --- the runner -----------------------------------------------------------------------------------------------
@@ -394,6 +313,15 @@ class NativeRunner:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def rows_invariant(self) -> bool:
+        """Whether every row of a forward is computed alike whatever the other rows of the call: quickdraft's
+        CPU kernels for every layer, bf16 weights (int8 ones widen differently from 32 rows on)."""
+        linears = [self.lm_head] + [getattr(layer, name) for layer in self.layers
+                                    for name in ("qkv", "o", "gate_up", "down")]
+        return self._cpu_kernels is not None and self._fused_activation is not None and all(
+            linear._kernels is not None and linear.scales is None for linear in linears)
 
     @property
     def weight_bytes(self) -> int:

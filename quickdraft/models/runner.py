@@ -37,6 +37,11 @@ class Runner(Protocol):
     @property
     def num_layers(self) -> int: ...
 
+    @property
+    def rows_invariant(self) -> bool:
+        """Whether a row's outputs are bitwise the same whatever the other rows of a forward (then a token's
+        logits and cached keys do not depend on how it was batched, verified or prefilled)."""
+
     def new_cache(self) -> SequenceCache: ...
 
     def forward(self, cache: SequenceCache, tokens: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
@@ -79,6 +84,10 @@ class HFRunner:
     @property
     def num_layers(self) -> int:
         return int(self.config.num_hidden_layers)
+
+    @property
+    def rows_invariant(self) -> bool:
+        return False  # torch's matmuls round a row differently with the number of rows
 
     def new_cache(self) -> SequenceCache:
         return SequenceCache()

@@ -1,0 +1,207 @@
+"""Prefix caching (quickdraft.kv_pool.PrefixCache): full blocks of KV kept by their token prefix and copied into
+later sequences that start alike.
+
+On the CPU kernels (bf16, rows computed alike whatever the call) a copied block is bitwise what a fresh prefill
+computes, so outputs with prefix caching equal outputs without it, greedy and seeded. Kept blocks live in the
+budget's free space and are evicted (tail first) before a running sequence is preempted."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from quickdraft import LLM, SamplingParams
+from quickdraft.errors import QuickdraftError
+from quickdraft.kernels import cpu_linear
+from quickdraft.kv_pool import BLOCK_SIZE, KVPool, PrefixCache
+from quickdraft.models.native import NativeRunner
+from test_native import tiny_gemma16, tiny_llama16
+
+needs_kernels = pytest.mark.skipif(cpu_linear() is None, reason="quickdraft's CPU kernels need AVX512-BF16")
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
+
+
+def _bf16_runner(build=tiny_llama16):
+    return NativeRunner(build(seed=0).to(torch.bfloat16), "tiny")
+
+
+def _tokens(n, seed, vocab=48):
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def _contents(cache, n):
+    keys = cache.keys
+    if keys.dim() == 6:  # packed: [layers, Hkv, cap/16, d/2, 16, 2] -> [layers, Hkv, cap, d]
+        layers, heads, blocks, half, _, _ = keys.shape
+        keys = keys.permute(0, 1, 2, 4, 3, 5).reshape(layers, heads, blocks * 16, half * 2)
+    return keys[:, :, :n], cache.values[:, :, :n]
+
+
+@needs_kernels
+@pytest.mark.parametrize("build", [tiny_llama16, tiny_gemma16], ids=["llama", "gemma-sliding"])
+def test_a_loaded_prefix_is_bitwise_a_fresh_prefill(build):
+    runner = _bf16_runner(build)
+    assert runner.rows_invariant
+    prefix = PrefixCache(runner)
+    shared = _tokens(40, seed=1)
+    first = runner.new_cache()
+    runner.forward(first, torch.tensor(shared + _tokens(9, seed=2)))  # a prefill of 49 rows
+    for token in _tokens(3, seed=3):  # and decoding steps: blocks 0..2 kept (51 committed positions)
+        runner.forward(first, torch.tensor([token]))
+    prefix.store(first)
+    assert len(prefix) == 3
+
+    prompt = shared + _tokens(12, seed=4)  # shares 2 full blocks (positions 0..31) and 8 more tokens
+    reused = runner.new_cache()
+    assert prefix.load(reused, prompt) == 32
+    assert reused.token_ids == prompt[:32] and prefix.hit_tokens == 32
+    fresh = runner.new_cache()
+    fresh_logits = runner.forward(fresh, torch.tensor(prompt), num_logits=len(prompt) - 32)
+    reused_logits = runner.forward(reused, torch.tensor(prompt[32:]), num_logits=len(prompt) - 32)
+    assert torch.equal(fresh_logits, reused_logits)
+    for a, b in zip(_contents(fresh, len(prompt)), _contents(reused, len(prompt))):
+        assert torch.equal(a, b)
+
+
+def test_load_leaves_the_last_token_to_compute_and_needs_an_exact_prefix():
+    runner = NativeRunner(tiny_llama(seed=0), "tiny")  # float32, torch path: the bookkeeping is the same
+    prefix = PrefixCache(runner)
+    ids = _tokens(48, seed=5, vocab=32)
+    cache = runner.new_cache()
+    runner.forward(cache, torch.tensor(ids))
+    prefix.store(cache)
+    assert len(prefix) == 3
+    # The whole 48 tokens again: only 32 load, the last block is recomputed for its last token's logits.
+    assert prefix.load(runner.new_cache(), ids) == 32
+    assert prefix.load(runner.new_cache(), ids + [1]) == 48
+    changed = list(ids)
+    changed[20] = (changed[20] + 1) % 32  # differs in block 1: block 0 only
+    assert prefix.load(runner.new_cache(), changed) == 16
+    assert prefix.load(runner.new_cache(), [(ids[0] + 1) % 32] + ids[1:]) == 0
+    assert prefix.load(runner.new_cache(), ids[:16]) == 0  # one block and nothing after it
+
+
+def test_rolled_back_blocks_are_not_kept_and_eviction_takes_tails_first():
+    runner = NativeRunner(tiny_llama(seed=0), "tiny")
+    prefix = PrefixCache(runner, max_blocks=3)
+    cache = runner.new_cache()
+    a = _tokens(40, seed=6, vocab=32)
+    runner.forward(cache, torch.tensor(a))
+    cache.rollback(20)  # rejected positions: only block 0 is committed
+    prefix.store(cache)
+    assert len(prefix) == 1
+    runner.forward(cache, torch.tensor(a[20:]))
+    prefix.store(cache)
+    assert len(prefix) == 2 and prefix.load(runner.new_cache(), a) == 32
+    b = _tokens(40, seed=7, vocab=32)
+    other = runner.new_cache()
+    runner.forward(other, torch.tensor(b))
+    prefix.store(other)  # a third and fourth block: the cap of 3 evicts the least recent, a's tail
+    assert len(prefix) == 3
+    assert prefix.load(runner.new_cache(), a) == 16  # a's head survives: its chain is still found
+    assert prefix.load(runner.new_cache(), b) == 32
+
+
+def test_kept_blocks_take_free_pool_bytes_and_are_reclaimed_before_a_grant_fails():
+    runner = NativeRunner(tiny_llama(seed=0), "tiny")
+    block_bytes = 16 * runner.num_layers * runner.num_kv_heads * runner.head_dim * 2 * 4
+    pool = KVPool(block_bytes // 16, 6 * block_bytes)  # 6 blocks in all
+    prefix = PrefixCache(runner, pool)
+    pool.reclaim = prefix.evict
+    cache = runner.new_cache()
+    cache.attach_pool(pool)
+    ids = _tokens(33, seed=8, vocab=32)
+    runner.forward(cache, torch.tensor(ids))  # holds 4 blocks (the growth policy's 64 positions)
+    prefix.store(cache)
+    assert pool.used_blocks == 6 and len(prefix) == 2  # its 2 full blocks, in the free space
+    cache.release()
+    other = runner.new_cache()
+    other.attach_pool(pool)
+    other.reserve(80)  # 5 blocks, 4 free: one kept block is reclaimed, the tail
+    assert len(prefix) == 1 and pool.used_blocks == 6 and other.capacity == 80
+    assert prefix.load(runner.new_cache(), ids) == 16
+    other.release()
+    assert pool.used_bytes == prefix.nbytes == block_bytes
+    prefix.clear()
+    assert pool.used_bytes == 0 and pool.num_caches == 0
+
+
+def _pair(build, **kwargs):
+    target = build(seed=0).to(torch.bfloat16)
+    config = kwargs.pop("speculative_config", {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    on = LLM(target, speculative_config=config, **kwargs)
+    off = LLM(target, speculative_config=config, enable_prefix_caching=False, **kwargs)
+    return on, off
+
+
+@needs_kernels
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=20),
+                                    SamplingParams(temperature=0.9, top_p=0.9, max_tokens=20, seed=11)],
+                         ids=["greedy", "seeded"])
+def test_multi_turn_outputs_equal_those_without_prefix_caching(params):
+    on, off = _pair(tiny_llama16)
+    assert on.enable_prefix_caching and not off.enable_prefix_caching
+    system = _tokens(37, seed=9)  # a shared "system prompt"
+    first_turns = [system + _tokens(n, seed=10 + n) for n in (5, 19, 30)]
+    outs_on, outs_off = on.generate([{"prompt_token_ids": p} for p in first_turns], params), \
+        off.generate([{"prompt_token_ids": p} for p in first_turns], params)
+    assert [o.outputs[0].token_ids for o in outs_on] == [o.outputs[0].token_ids for o in outs_off]
+    # The second turn re-sends the conversation: prompt + answer + a new message.
+    second = [p + o.outputs[0].token_ids + _tokens(6, seed=20 + i) for i, (p, o) in enumerate(zip(first_turns, outs_on))]
+    again_on = on.generate([{"prompt_token_ids": p} for p in second], params)
+    again_off = off.generate([{"prompt_token_ids": p} for p in second], params)
+    assert [o.outputs[0].token_ids for o in again_on] == [o.outputs[0].token_ids for o in again_off]
+    cached = [o.metrics.num_cached_tokens for o in again_on]
+    assert all(c >= 32 for c in cached)  # at least the system prompt's two blocks
+    assert sum(cached) >= sum(len(p) + 20 for p in first_turns) // 16 * 16 - 3 * 16  # most of each first turn
+    assert all(o.metrics.num_cached_tokens == 0 for o in again_off)
+
+
+@needs_kernels
+def test_prefix_caching_under_a_budget_with_a_draft_model_preemption_and_aborts_leaks_nothing():
+    draft = tiny_llama16(seed=1).to(torch.bfloat16)
+    config = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive": False}
+    on, off = _pair(tiny_llama16, speculative_config=config, kv_cache_memory=1 << 19, max_num_seqs=6)
+    assert on.kv_memory.prefix_caches[1] is not None  # the draft model's caches are kept too
+    system = _tokens(34, seed=30)
+    prompts = [system + _tokens(3 + 7 * i, seed=31 + i) for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    expected = [o.outputs[0].token_ids for o in off.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    preemptions = 0
+    for _ in range(2):  # the second round finds every prompt's blocks kept
+        scheduler = on.new_scheduler()
+        for i, p in enumerate(prompts):
+            scheduler.add_request(str(i), p, params)
+        scheduler.add_request("aborted", system + [1, 2, 3], params)
+        outputs, steps = {}, 0
+        while scheduler.has_unfinished():
+            for update in scheduler.step():
+                outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
+            steps += 1
+            if steps == 3:
+                scheduler.abort_request("aborted")
+            usage = scheduler.kv_usage
+            assert usage["used_blocks"] <= usage["total_blocks"]
+        assert [outputs[str(i)] for i in range(len(prompts))] == expected
+        pool = scheduler.pool
+        assert pool.used_bytes == on.kv_memory.prefix_bytes() > 0  # only kept blocks remain
+        preemptions += scheduler.num_preemptions
+    assert preemptions > 0  # the budget was tight enough to preempt
+    assert scheduler.kv_usage["prefix_cached_blocks"] > 0
+    on.kv_memory.clear_prefix_caches()
+    assert pool.used_bytes == 0 and pool.num_caches == 0
+
+
+def test_prefix_caching_is_off_by_default_where_rows_are_not_computed_alike():
+    llm = LLM(tiny_llama(seed=0), speculative_config={"method": "ngram"})  # float32: torch's matmuls
+    assert not llm.target.rows_invariant and not llm.enable_prefix_caching
+    forced = LLM(tiny_llama(seed=0), speculative_config={"method": "ngram"}, enable_prefix_caching=True)
+    prompt = {"prompt_token_ids": _tokens(40, seed=40, vocab=32)}
+    params = SamplingParams(temperature=0, max_tokens=4)
+    forced.generate(prompt, params)
+    assert forced.generate(prompt, params)[0].metrics.num_cached_tokens == 32
+    with pytest.raises(QuickdraftError, match="enable_prefix_caching"):
+        LLM(tiny_llama(seed=0), enable_prefix_caching="yes")
+    assert BLOCK_SIZE == 16

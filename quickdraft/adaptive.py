@@ -11,6 +11,11 @@ tries speculation again after a while instead of never learning that the text tu
 
 from __future__ import annotations
 
+import bisect
+import math
+import statistics
+from collections import deque
+
 PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 1.0
 DECAY = 0.9
@@ -20,32 +25,57 @@ PRIOR_COST_SLOPE = 0.05
 
 
 class _Curve:
-    """Moving averages of a cost at integer points, linearly interpolated between measured points and
-    extrapolated with the slope of the nearest two (never negative)."""
+    """A cost measured at integer points (rows in a step, drafts in a step): at each point the median of its
+    last `window` samples, made non-decreasing in x (pool-adjacent-violators over the medians, weighted by
+    their sample counts: more rows never cost less), linearly interpolated between points and extrapolated
+    with the slope of the nearest two (never negative).
 
-    def __init__(self, smoothing: float = 0.2):
-        self.points: dict[int, float] = {}
-        self.smoothing = smoothing
+    Why medians and monotone: on a shared machine one step in a while is several times slower (another
+    process, a page fault). A moving average drags such a step along for many steps, and a point that reads
+    slower than its right neighbour makes adding rows look free, so a batch drafts where it should not."""
+
+    def __init__(self, window: int = 9):
+        self.window = window
+        self._samples: dict[int, deque[float]] = {}
+        self._fit: list[tuple[int, float]] | None = None  # sorted (x, fitted cost), recomputed after a record
 
     def record(self, x: int, seconds: float) -> None:
-        old = self.points.get(x)
-        self.points[x] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self._samples.setdefault(x, deque(maxlen=self.window)).append(seconds)
+        self._fit = None
+
+    @property
+    def points(self) -> dict[int, float]:
+        return dict(self._fitted())
+
+    def _fitted(self) -> list[tuple[int, float]]:
+        if self._fit is None:
+            blocks: list[list[float]] = []  # [value, weight, number of points] per pooled run
+            for _, samples in sorted(self._samples.items()):
+                blocks.append([statistics.median(samples), float(len(samples)), 1])
+                while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                    value, weight, count = blocks.pop()
+                    last = blocks[-1]
+                    last[0] = (last[0] * last[1] + value * weight) / (last[1] + weight)
+                    last[1] += weight
+                    last[2] += count
+            values = [value for value, _, count in blocks for _ in range(count)]
+            self._fit = list(zip(sorted(self._samples), values))
+        return self._fit
 
     def estimate(self, x: int, prior_slope: float) -> float | None:
-        if x in self.points:
-            return self.points[x]
-        known = sorted(self.points.items())
+        known = self._fitted()
         if not known:
             return None
+        position = bisect.bisect_left(known, (x, -math.inf))
+        if position < len(known) and known[position][0] == x:
+            return known[position][1]
         if len(known) == 1:
             x0, s0 = known[0]
             return max(1e-9, s0 * (1 + prior_slope * (x - x0)))
-        below = [p for p in known if p[0] < x]
-        above = [p for p in known if p[0] > x]
-        if below and above:
-            (x0, s0), (x1, s1) = below[-1], above[0]
+        if 0 < position < len(known):
+            (x0, s0), (x1, s1) = known[position - 1], known[position]
         else:
-            (x0, s0), (x1, s1) = (known[-2], known[-1]) if below else (known[0], known[1])
+            (x0, s0), (x1, s1) = (known[-2], known[-1]) if position else (known[0], known[1])
         slope = max(0.0, (s1 - s0) / (x1 - x0))
         return max(1e-9, s0 + slope * (x - x0))
 
@@ -53,8 +83,8 @@ class _Curve:
 class StepCosts:
     """Moving averages of a one-sequence step's wall time by the number of draft tokens it verified."""
 
-    def __init__(self, max_k: int, smoothing: float = 0.2):
-        self.curve = _Curve(smoothing)
+    def __init__(self, max_k: int):
+        self.curve = _Curve()
 
     def record(self, k: int, seconds: float) -> None:
         self.curve.record(k, seconds)

@@ -1,5 +1,7 @@
 """Adaptive K: the cost model, the acceptance estimate, the choice, and the engine using them."""
 
+import pytest
+
 from conftest import tiny_llama
 from quickdraft import LLM, SamplingParams
 from quickdraft.adaptive import AcceptanceStats, StepCosts, choose_k
@@ -147,3 +149,29 @@ def test_batch_k_counts_the_draft_model_forwards():
     cheap = _costs(per_row=0.0)
     cheap.draft_forward.record(4, 0.5)
     assert min(choose_batch_k(middling, [4] * 4, 4, cheap, model_draft=True)) >= 1
+
+
+def test_one_slow_step_does_not_make_more_rows_look_cheaper():
+    from quickdraft.adaptive import BatchCosts, _Curve, choose_batch_k
+
+    curve = _Curve()
+    for _ in range(8):
+        curve.record(16, 0.045)
+        curve.record(17, 0.047)
+    curve.record(16, 0.400)  # a stall (another process): the median moves little
+    assert curve.estimate(16, 0.0) == 0.045
+    for _ in range(20):
+        curve.record(16, 0.050)  # a base that really reads slower than its neighbour: pooled, monotone
+    assert curve.estimate(17, 0.0) >= curve.estimate(16, 0.0) > 0.045
+    assert curve.estimate(40, 0.0) >= curve.estimate(17, 0.0)
+
+    costs = BatchCosts()
+    for _ in range(7):
+        costs.record(16, 0.045, 0, 0, None)  # 16 sequences decoding
+        costs.record(17, 0.047, 1, 0, 0.0005)  # one of them drafting one token
+        costs.record(20, 0.053, 1, 0, 0.0005)
+    for _ in range(2):
+        costs.record(16, 0.400, 0, 0, None)  # two stalls: a moving average would price 16 rows above 17
+    middling = [_half() for _ in range(16)]  # first drafts accepted half of the time
+    # A row costs ~2 ms against ~2.8 ms per token of the plain step: a half-accepted draft does not pay.
+    assert choose_batch_k(middling, [4] * 16, 16, costs, model_draft=False) == [0] * 16

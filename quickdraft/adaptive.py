@@ -32,15 +32,23 @@ class _Curve:
 
     Why medians and monotone: on a shared machine one step in a while is several times slower (another
     process, a page fault). A moving average drags such a step along for many steps, and a point that reads
-    slower than its right neighbour makes adding rows look free, so a batch drafts where it should not."""
+    slower than its right neighbour makes adding rows look free, so a batch drafts where it should not. A
+    point not measured in the last `max_age` records is dropped: it was measured at other context lengths
+    and batch mixes, or in another hour of the machine's bandwidth."""
 
-    def __init__(self, window: int = 9):
-        self.window = window
+    def __init__(self, window: int = 9, max_age: int = 512):
+        self.window, self.max_age = window, max_age
         self._samples: dict[int, deque[float]] = {}
+        self._last: dict[int, int] = {}  # x -> the record count when it was last measured
+        self._records = 0
         self._fit: list[tuple[int, float]] | None = None  # sorted (x, fitted cost), recomputed after a record
 
     def record(self, x: int, seconds: float) -> None:
+        self._records += 1
         self._samples.setdefault(x, deque(maxlen=self.window)).append(seconds)
+        self._last[x] = self._records
+        for stale in [p for p, last in self._last.items() if self._records - last > self.max_age]:
+            del self._samples[stale], self._last[stale]
         self._fit = None
 
     @property

@@ -175,3 +175,15 @@ def test_one_slow_step_does_not_make_more_rows_look_cheaper():
     middling = [_half() for _ in range(16)]  # first drafts accepted half of the time
     # A row costs ~2 ms against ~2.8 ms per token of the plain step: a half-accepted draft does not pay.
     assert choose_batch_k(middling, [4] * 16, 16, costs, model_draft=False) == [0] * 16
+
+
+def test_points_not_measured_for_a_while_are_forgotten():
+    from quickdraft.adaptive import _Curve
+
+    curve = _Curve(max_age=20)
+    curve.record(40, 0.050)  # measured once, long ago (a prefill of 40 rows, say)
+    for _ in range(30):
+        curve.record(16, 0.045)
+        curve.record(20, 0.060)
+    assert 40 not in curve.points
+    assert curve.estimate(40, 0.0) == pytest.approx(0.045 + (0.060 - 0.045) / 4 * 24)  # extrapolated, not flat

@@ -1,12 +1,19 @@
-"""Command line: `quickdraft generate` (and `quickdraft bench`). A thin adapter over the Python API."""
+"""Command line: `quickdraft generate`, `quickdraft serve` (and `quickdraft bench`). A thin adapter over the Python
+API."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+from typing import TYPE_CHECKING, Any
 
 from quickdraft.errors import QuickdraftError
+
+if TYPE_CHECKING:
+    from quickdraft.server.app import ServerConfig
 
 
 def add_generate_parser(sub) -> None:
@@ -38,6 +45,96 @@ def add_generate_parser(sub) -> None:
                    help="also decode without speculation (same model, same parameters) and print both speeds and "
                         "whether the texts are identical")
     p.set_defaults(func=run_generate)
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)")
+    p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
+    p.add_argument("--draft", default="ngram", help="ngram | layers:N | quantized | none | a draft MODEL (default: ngram)")
+    p.add_argument("--k", type=int, default=5, help="largest speculative tokens per step (default 5)")
+    p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $QUICKDRAFT_API_KEY, else no key)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences stepped together at most")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="unfinished sequences (running + waiting) held at most; beyond, 503 with Retry-After")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache budget: bytes (e.g. 2000000000, 512MiB, 2GiB) or a fraction (e.g. 0.5) of the "
+                        "memory available after loading")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--grace-period", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish (default 30)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--runner", default="auto", choices=["auto", "native", "hf"])
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run_serve)
+
+
+_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
+_MEMORY_SCALE = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30}
+
+
+def parse_memory(text: str | None) -> int | float | None:
+    """--kv-cache-memory: bytes (an integer, with an optional unit: k, M, G, KiB, MiB, GiB) or a fraction of the
+    available memory (a number with a point and no unit, e.g. 0.5)."""
+    if text is None:
+        return None
+    match = _MEMORY.match(text)
+    if match is None:
+        raise QuickdraftError(f"--kv-cache-memory {text!r}: give bytes (e.g. 2000000000, 512MiB, 2GiB) or a fraction "
+                              "of the available memory (e.g. 0.5)")
+    number, unit = match.groups()
+    unit = (unit or "").lower().removesuffix("b")
+    if not unit and "." in number:
+        return float(number)
+    return int(float(number) * _MEMORY_SCALE[unit])
+
+
+def serve_settings(args: argparse.Namespace) -> tuple[dict[str, Any], ServerConfig]:
+    """(LLM keyword arguments, ServerConfig) for `quickdraft serve`; checks what it can before any loading."""
+    from quickdraft.drafts import SpeculativeConfig, parse_draft
+    from quickdraft.models.loader import DEFAULT_MODEL
+    from quickdraft.server.app import ServerConfig
+
+    if not 0 <= args.port <= 65535:
+        raise QuickdraftError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queue < 1:
+        raise QuickdraftError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if not args.grace_period >= 0:
+        raise QuickdraftError(f"--grace-period must be >= 0 seconds, got {args.grace_period}")
+    spec = parse_draft(args.draft, args.k)
+    if args.fixed_k and spec["method"] != "none":
+        spec["adaptive"] = False
+    SpeculativeConfig.from_dict(spec)  # its errors now, not after loading the model
+    model = args.model or DEFAULT_MODEL
+    llm_kwargs = dict(model=model, speculative_config=spec, dtype=args.dtype, device=args.device,
+                      trust_remote_code=args.trust_remote_code, runner=args.runner, max_num_seqs=args.max_num_seqs,
+                      kv_cache_memory=parse_memory(args.kv_cache_memory), max_model_len=args.max_model_len)
+    config = ServerConfig(served_model_name=args.served_model_name or model,
+                          api_key=args.api_key or os.environ.get("QUICKDRAFT_API_KEY") or None,
+                          max_queue=args.max_queue, drain_grace_s=args.grace_period)
+    return llm_kwargs, config
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from quickdraft import LLM
+    from quickdraft.models.loader import quiet_transformers
+    from quickdraft.server.launch import run_server
+
+    llm_kwargs, config = serve_settings(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
+        print(f"[quickdraft] warning: serving on {args.host} without an API key: anyone who can reach it can use it",
+              file=sys.stderr)
+    quiet_transformers()
+    model = llm_kwargs.pop("model")
+    llm = LLM(model, **llm_kwargs)
+    run_server(llm, config, args.host, args.port, args.log_level)
+    return 0
 
 
 def summary_line(metrics, method: str, k: int) -> str:
@@ -123,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="quickdraft", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
+    add_serve_parser(sub)
     try:
         from quickdraft.bench.cli import add_bench_parser
     except ImportError:

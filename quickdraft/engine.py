@@ -128,13 +128,7 @@ class Engine:
         logits = self.target.forward_batch(caches, feeds, [k + 1 for k in ks])  # [sum(k_i + 1), V]
         t2 = time.perf_counter()
 
-        results = []
-        first_row = 0
-        for seq, proposal, draft, k in zip(seqs, proposals, drafts, ks):
-            rows = logits[first_row: first_row + k + 1]  # [k_i + 1, V]: row j scores draft j, row k_i the bonus
-            first_row += k + 1
-            results.append(self._verify(seq, rows, draft, proposal))
-        n_tokens = torch.stack(results).tolist() if results else []  # the step's one host sync
+        n_tokens = self._verify_batch(seqs, logits, drafts, proposals)
         t3 = time.perf_counter()
 
         if self.adaptive_k:
@@ -161,21 +155,65 @@ class Engine:
             committed.append(seq.commit(draft[:n].tolist(), k, token, self.eos_token_ids, self.max_len))
         return committed
 
-    def _verify(self, seq: Sequence, logits: torch.Tensor, draft: torch.Tensor, proposal: Proposal) -> torch.Tensor:
-        """(number of drafts accepted, the target's token after them) as a device tensor [2]."""
-        k = int(draft.numel())
-        processed = seq.process(logits, draft)
-        if seq.params.greedy:
-            num_accepted, next_token = verify.greedy_accept(processed[None], draft[None])
-        elif seq.noise_key is not None:
-            noise = sampling.position_noise(seq.noise_key, len(seq.output_ids), k + 1, processed.shape[-1],
-                                            processed.device)
-            num_accepted, next_token = verify.greedy_accept(sampling.noisy_scores(processed, noise)[None],
-                                                            draft[None])
-        else:
-            q = None if proposal.probs is None else proposal.probs[:k][None]
-            num_accepted, next_token = verify.rejection_sample(processed[None], q, draft[None], seq.generator)
-        return torch.stack([num_accepted[0], next_token[0]])
+    def _verify_batch(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[torch.Tensor],
+                      proposals: list[Proposal]) -> list[tuple[int, int]]:
+        """Verify every sequence of the step: (drafts accepted, the target's token after them) each.
+
+        logits: [sum(k_i + 1), V], sequence i's k_i + 1 rows in order (row j scores draft j, row k_i the bonus).
+        Each row is processed with its sequence's parameters: penalties per sequence (they depend on its
+        history), then temperature, top-k, top-p and min-p for all sampled rows of the step in one pass
+        (sampling.probs_rows). Greedy sequences take the argmax (one argmax over the whole step), seeded ones
+        the argmax of their noise-keyed scores, the others rejection sampling with their own generator. The
+        results (and the drafts) come back to the host in one read."""
+        bounds, row = [], 0
+        for draft in drafts:
+            bounds.append((row, row + int(draft.numel()) + 1))
+            row = bounds[-1][1]
+        processed = logits  # [R, V]
+        if any(seq.penalties is not None for seq in seqs):
+            processed = logits.clone()
+            for seq, draft, (lo, hi) in zip(seqs, drafts, bounds):
+                if seq.penalties is not None:
+                    seen, counts = seq.penalties.rows(draft, hi - lo)
+                    processed[lo:hi] = sampling.apply_penalties(processed[lo:hi], seq.params, seen, counts)
+        sampled = [(lo, hi, seq.params) for seq, (lo, hi) in zip(seqs, bounds) if not seq.params.greedy]
+        if sampled:
+            index = torch.tensor([r for lo, hi, _ in sampled for r in range(lo, hi)], device=processed.device)
+            params = [p for lo, hi, p in sampled for _ in range(lo, hi)]
+            processed = processed.index_copy(0, index, sampling.probs_rows(processed.index_select(0, index), params))
+
+        on_device = [processed.argmax(-1)]  # [R]: the greedy rows' tokens (others unused)
+        reads = []  # per sequence: where its target tokens or its (accepted, token) pair sit in on_device
+        vocab = processed.shape[-1]
+        for seq, draft, proposal, (lo, hi) in zip(seqs, drafts, proposals, bounds):
+            if seq.params.greedy:
+                reads.append(("tokens", lo))
+            elif seq.noise_key is not None:
+                scores = sampling.scores_with_log_noise(processed[lo:hi], seq.log_noise(len(seq.output_ids), hi - lo, vocab))
+                reads.append(("tokens", sum(int(t.numel()) for t in on_device)))
+                on_device.append(scores.argmax(-1))  # [k_i + 1]: the target's own draws at these positions
+            else:
+                k = hi - lo - 1
+                q = None if proposal.probs is None else proposal.probs[:k][None]
+                accepted, token = verify.rejection_sample(processed[lo:hi][None], q, draft[None], seq.generator)
+                reads.append(("pair", sum(int(t.numel()) for t in on_device)))
+                on_device.append(torch.stack([accepted[0], token[0]]))
+        draft_at = sum(int(t.numel()) for t in on_device)
+        values = torch.cat([t.reshape(-1).to(torch.long) for t in on_device]
+                           + [d.to(processed.device) for d in drafts]).tolist()  # the step's one host sync
+        results, offset = [], draft_at
+        for (kind, at), draft in zip(reads, drafts):
+            k = int(draft.numel())
+            proposed = values[offset: offset + k]
+            offset += k
+            if kind == "pair":
+                results.append((values[at], values[at + 1]))
+                continue
+            # Greedy matching of the target's tokens (argmax, or its seeded draws): the longest agreeing prefix.
+            targets = values[at: at + k + 1]
+            accepted = next((j for j in range(k) if proposed[j] != targets[j]), k)
+            results.append((accepted, targets[accepted]))
+        return results
 
     def run(self, seq: Sequence) -> Iterator[list[int]]:
         """Step until the sequence finishes, yielding each step's committed tokens."""

@@ -73,27 +73,53 @@ def apply_penalties(
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p filtering; returns normalised probabilities.
+    """Temperature, then top-k, top-p and min-p filtering; returns normalised probabilities, [..., V].
 
     Not for greedy requests (temperature 0), which take the argmax of the penalised logits."""
     if params.temperature <= 0:
         raise ValueError("logits_to_probs is for sampling; greedy requests use argmax")
-    logits = _float(logits) / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+    flat = logits.reshape(-1, logits.shape[-1])
+    return probs_rows(flat, [params] * flat.shape[0]).reshape(logits.shape)
+
+
+def probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits_to_probs with each row's own parameters (rows of many requests in one pass): temperature, then
+    top-k, top-p, min-p. logits: [R, V]; params: R sampled (temperature > 0) SamplingParams. Returns [R, V].
+    Each row is computed by the same ops whatever the other rows: the filters that a row does not use leave
+    it unchanged (a top-k of 0 or V keeps every logit, a top-p of 1 and a min-p of 0 keep every token)."""
+    rows, vocab = logits.shape
+    device = logits.device
+    if any(p.temperature <= 0 for p in params):
+        raise ValueError("probs_rows is for sampling; greedy requests use argmax")
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    logits = _float(logits) / temperature[:, None].to(_float(logits).dtype)
+    top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_ks):
+        largest = max(top_ks)
+        top = torch.topk(logits, largest, dim=-1).values  # [R, largest], descending: column k-1 is the k-th
+        k = torch.tensor(top_ks, dtype=torch.long, device=device)
+        kth = top.gather(1, (k.clamp(min=1) - 1)[:, None])
+        kth = kth.masked_fill((k == 0)[:, None], float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    nucleus = [i for i, p in enumerate(params) if p.top_p < 1]
+    if nucleus:
+        index = torch.tensor(nucleus, dtype=torch.long, device=device)
+        top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=probs.dtype, device=device)
+        part = probs.index_select(0, index)
+        sorted_probs, order = torch.sort(part, dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(-1, keepdim=True)
-    if params.min_p > 0:
-        threshold = params.min_p * probs.amax(-1, keepdim=True)
-        probs = probs.masked_fill(probs < threshold, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+        part = torch.zeros_like(part).scatter(-1, order, sorted_probs)
+        probs = probs.index_copy(0, index, part / part.sum(-1, keepdim=True))
+    floor = [i for i, p in enumerate(params) if p.min_p > 0]
+    if floor:
+        index = torch.tensor(floor, dtype=torch.long, device=device)
+        min_p = torch.tensor([params[i].min_p for i in floor], dtype=probs.dtype, device=device)
+        part = probs.index_select(0, index)
+        part = part.masked_fill(part < min_p[:, None] * part.amax(-1, keepdim=True), 0.0)
+        probs = probs.index_copy(0, index, part / part.sum(-1, keepdim=True))
     return probs
 
 
@@ -121,7 +147,40 @@ def derive_key(*parts: int) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-_GRID = 1 << 52
+_GRID_BITS = 52
+_GRID = 1 << _GRID_BITS
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+# SplitMix64 (Steele, Lea and Flood 2014): a counter-based generator, state_i = seed + i * golden, output
+# mix(state_i). In int64 tensor arithmetic (multiplication wraps, shifts made logical by a mask) it runs as
+# ten vectorized passes on any device, several times faster than seeding a torch Generator per position
+# and drawing from its Mersenne Twister.
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)  # >> on int64 is arithmetic; the mask makes it logical
+
+
+def _grid_cells(key: int, first: int, count: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """Integers in [0, 2^52) [count, vocab]: cell j of output position p is SplitMix64 output j + 1 of the
+    stream seeded by derive_key(key, p), its top 52 bits."""
+    seeds = torch.tensor([_signed(derive_key(key, p)) for p in range(first, first + count)], dtype=torch.int64,
+                         device=device)
+    x = seeds[:, None] + torch.arange(1, vocab + 1, dtype=torch.int64, device=device)[None, :] * _GOLDEN
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    x = x ^ _shift_right(x, 31)
+    return _shift_right(x, 64 - _GRID_BITS)
+
+
+def _uniform(key: int, first: int, count: int, vocab: int, device: torch.device) -> torch.Tensor:
+    # u is the midpoint of a cell of a 2^52 grid on (0, 1): never 0 or 1.
+    return (_grid_cells(key, first, count, vocab, device).double() + 0.5) / _GRID
 
 
 def position_noise(key: int, first: int, count: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -129,19 +188,25 @@ def position_noise(key: int, first: int, count: int, vocab: int, device: torch.d
     (key, position) only: whichever step reaches a position, and however many positions it verifies, it
     draws the same. E is strictly positive and finite: u is the midpoint of a cell of a 2^52 grid on (0, 1),
     so E = -log(u) lies in [1.1e-16, 36.7] and log E is finite (see noisy_scores)."""
-    rows = []
-    for position in range(first, first + count):
-        generator = torch.Generator(device=device).manual_seed(derive_key(key, position))
-        cells = torch.randint(0, _GRID, (vocab,), generator=generator, device=device, dtype=torch.int64)
-        rows.append((cells.double() + 0.5) / _GRID)
-    return -torch.log(torch.stack(rows))
+    return -torch.log(_uniform(key, first, count, vocab, device))
+
+
+def position_log_noise(key: int, first: int, count: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """log E of position_noise (what scores_with_log_noise takes), computed without the intermediate E."""
+    return torch.log(-torch.log(_uniform(key, first, count, vocab, device)))
 
 
 def noisy_scores(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """log p - log E: argmax over a row is a draw from p (the exponential race, a form of the Gumbel-max
     trick). In log space with E finite and positive, a token of probability zero scores -inf and can never
     win, whatever its noise (p / E with E = inf would score it 0, the same as every other token's floor)."""
-    return probs.double().log() - noise.log()
+    return scores_with_log_noise(probs, noise.log())
+
+
+def scores_with_log_noise(probs: torch.Tensor, log_noise: torch.Tensor) -> torch.Tensor:
+    """noisy_scores given log E (a sequence keeps log E of the positions it may verify again: see
+    Sequence.log_noise)."""
+    return probs.double().log() - log_noise
 
 
 def sample_with_noise(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

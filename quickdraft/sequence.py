@@ -156,6 +156,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.metrics = RequestMetrics(num_prompt_tokens=len(prompt_ids))
         self._token_ids = list(prompt_ids)
+        self._log_noise: dict[int, torch.Tensor] = {}  # output position -> log E [V] (see log_noise)
 
     @property
     def token_ids(self) -> list[int]:
@@ -165,6 +166,22 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def log_noise(self, first: int, count: int, vocab: int) -> torch.Tensor:
+        """log E of output positions first .. first+count-1 (sampling.position_noise under this sequence's
+        noise key), [count, vocab] float64. Rows are kept until their position is committed: a step verifies
+        K + 1 positions and commits as few as one, and the draft model draws at the same positions, so each
+        position's noise is generated once instead of once per step that reaches it."""
+        rows = self._log_noise
+        for position in [p for p in rows if p < len(self.output_ids)]:
+            del rows[position]
+        missing = [p for p in range(first, first + count) if p not in rows]
+        if missing:
+            fresh = sampling.position_log_noise(self.noise_key, missing[0], missing[-1] - missing[0] + 1, vocab,
+                                                self.device)
+            for i, position in enumerate(range(missing[0], missing[-1] + 1)):
+                rows.setdefault(position, fresh[i])
+        return torch.stack([rows[p] for p in range(first, first + count)])
 
     def process(self, logits: torch.Tensor, pending: torch.Tensor, first_row: int = 0) -> torch.Tensor:
         """Apply the request's sampling parameters to `logits` [n, V] whose row j is the position after

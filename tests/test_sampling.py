@@ -100,21 +100,19 @@ from quickdraft import sampling as _sampling  # noqa: E402
 @pytest.mark.parametrize("extreme", ["low", "high"])
 def test_position_noise_at_the_generator_extremes_never_picks_a_zero_probability_token(monkeypatch, extreme):
     """Failed before: a uniform draw of exactly 0 (about once in 2^24) made the noise infinite, every score
-    p / E zero, and argmax return token 0 even where it had probability zero."""
-    real_rand, real_randint = torch.rand, torch.randint
+    p / E zero, and argmax return token 0 even where it had probability zero. The generator's extreme cells
+    must still give finite, positive noise."""
+    real_cells = _sampling._grid_cells
 
-    def rand(*args, **kwargs):  # the old code's draw
-        out = real_rand(*args, **kwargs)
-        return torch.zeros_like(out) if extreme == "low" else torch.full_like(out, 1 - 2 ** -24)
+    def cells(*args, **kwargs):
+        out = real_cells(*args, **kwargs)
+        return torch.full_like(out, 0 if extreme == "low" else _sampling._GRID - 1)
 
-    def randint(low, high, *args, **kwargs):
-        out = real_randint(low, high, *args, **kwargs)
-        return torch.full_like(out, low if extreme == "low" else high - 1)
-
-    monkeypatch.setattr(torch, "rand", rand)
-    monkeypatch.setattr(torch, "randint", randint)
+    monkeypatch.setattr(_sampling, "_grid_cells", cells)
     noise = _sampling.position_noise(key=3, first=0, count=2, vocab=16, device=torch.device("cpu"))
     assert torch.isfinite(noise).all() and (noise > 0).all()
+    log_noise = _sampling.position_log_noise(key=3, first=0, count=2, vocab=16, device=torch.device("cpu"))
+    assert torch.isfinite(log_noise).all()
     for only in (0, 5, 15):
         probs = torch.zeros(2, 16)
         probs[:, only] = 1.0  # top_k=1 / min_p=1 / a top_p that keeps one token
@@ -126,6 +124,23 @@ def test_noisy_scores_are_minus_infinity_exactly_where_p_is_zero():
     for e in (1.1e-16, 1.0, 36.7):
         scores = _sampling.noisy_scores(probs, torch.full((1, 4), e, dtype=torch.float64))
         assert torch.isneginf(scores[0, [0, 3]]).all() and torch.isfinite(scores[0, [1, 2]]).all()
+
+
+def test_grid_cells_are_splitmix64_and_depend_on_key_and_position_only():
+    def splitmix(seed, i):  # the reference, in Python integers
+        mask = (1 << 64) - 1
+        z = (seed + i * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return (z ^ (z >> 31)) >> 12
+
+    cells = _sampling._grid_cells(key=7, first=3, count=2, vocab=6, device=torch.device("cpu"))
+    for row, position in enumerate((3, 4)):
+        seed = _sampling.derive_key(7, position)
+        assert cells[row].tolist() == [splitmix(seed, j + 1) for j in range(6)]
+    alone = _sampling._grid_cells(key=7, first=4, count=1, vocab=6, device=torch.device("cpu"))
+    assert torch.equal(alone[0], cells[1])  # position 4 alike whichever step reaches it
+    assert (cells >= 0).all() and (cells < _sampling._GRID).all()
 
 
 def test_sample_with_noise_draws_from_p():

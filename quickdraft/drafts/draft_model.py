@@ -78,9 +78,8 @@ class DraftModelProposer(Proposer):
                 seq = seqs[j]
                 processed = seq.process(logits[row: row + 1].to(seq.device), tokens[j][:i], first_row=i)
                 if seq.noise_key is not None:
-                    noise = sampling.position_noise(seq.noise_key, len(seq.output_ids) + i, 1, processed.shape[-1],
-                                                    processed.device)
-                    token = sampling.sample_with_noise(processed, noise)
+                    log_noise = seq.log_noise(len(seq.output_ids) + i, 1, processed.shape[-1])
+                    token = sampling.scores_with_log_noise(processed, log_noise).argmax(-1)
                 else:
                     token = sampling.sample(processed, seq.params, seq.generator)
                 tokens[j][i] = token[0]

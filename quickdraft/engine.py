@@ -20,7 +20,7 @@ from quickdraft.drafts.base import Proposal, Proposer
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.runner import Runner
 from quickdraft.params import SamplingParams
-from quickdraft.sequence import RequestMetrics, Sequence
+from quickdraft.sequence import RequestMetrics, Sequence, prefetch_log_noise
 
 __all__ = ["Engine", "RequestMetrics", "Sequence"]
 
@@ -182,9 +182,11 @@ class Engine:
             params = [p for lo, hi, p in sampled for _ in range(lo, hi)]
             processed = processed.index_copy(0, index, sampling.probs_rows(processed.index_select(0, index), params))
 
+        vocab = processed.shape[-1]
+        prefetch_log_noise([(seq, len(seq.output_ids), hi - lo) for seq, (lo, hi) in zip(seqs, bounds)
+                            if not seq.params.greedy and seq.noise_key is not None], vocab)
         on_device = [processed.argmax(-1)]  # [R]: the greedy rows' tokens (others unused)
         reads = []  # per sequence: where its target tokens or its (accepted, token) pair sit in on_device
-        vocab = processed.shape[-1]
         for seq, draft, proposal, (lo, hi) in zip(seqs, drafts, proposals, bounds):
             if seq.params.greedy:
                 reads.append(("tokens", lo))

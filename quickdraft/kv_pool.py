@@ -45,25 +45,15 @@ def round_up(positions: int, block_size: int = BLOCK_SIZE) -> int:
 
 
 def runner_bytes_per_token(runner: Any) -> int:
-    """layers x kv_heads x head_dim x 2 (keys and values) x dtype size: one position of one of its caches."""
-    if all(hasattr(runner, name) for name in ("num_kv_heads", "head_dim")):  # the native runner
-        kv_heads, head_dim = runner.num_kv_heads, runner.head_dim
-    else:
-        config = runner.config
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    size = torch.empty((), dtype=runner.dtype).element_size()
-    return int(runner.num_layers) * int(kv_heads) * int(head_dim) * 2 * size
+    """layers x kv_heads x head_dim x 2 (keys and values) x dtype size: one position of one of its caches
+    (the Runner's kv_bytes_per_token)."""
+    return int(runner.kv_bytes_per_token)
 
 
 def cache_runners(engine: Any) -> list[Any]:
     """The runners whose per-sequence caches hold KV memory: the target, and the draft's if it runs a model."""
-    runners = [engine.target]
-    draft = getattr(engine.proposer, "runner", None)
-    if draft is not None and getattr(engine.proposer, "runs_a_model", False):
-        runners.append(draft)
-    return runners
+    draft = engine.proposer.draft_runner
+    return [engine.target] if draft is None else [engine.target, draft]
 
 
 def available_memory(device: torch.device) -> int:

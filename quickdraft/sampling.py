@@ -131,12 +131,25 @@ def process(
     return logits if params.greedy else logits_to_probs(logits, params)
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token from each row of probs [B, V] (weights, not necessarily normalised), by the inverse of its
+    cumulative distribution at a uniform u: the first token whose cumulative weight exceeds u * total. A
+    token of weight zero adds nothing to the cumulative sum, so it is never the first to exceed. [B] long.
+
+    Why not torch.multinomial: for one draw over a 49k-token vocabulary it took 1.6 ms per row here, 14% of
+    a batched step at T=0.8; a float64 cumulative sum and a binary search take a few tens of microseconds."""
+    cumulative = probs.double().cumsum(-1)  # [B, V]
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
+    index = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True)
+    return index.squeeze(1).clamp(max=probs.shape[-1] - 1)  # u * total < total: the clamp never binds
+
+
 def sample(processed: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of `process`'s output: argmax when greedy, else a draw from the probabilities."""
     if params.greedy:
         return processed.argmax(-1)
     flat = processed.reshape(-1, processed.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(processed.shape[:-1])
+    return draw(flat, generator).reshape(processed.shape[:-1])
 
 
 def derive_key(*parts: int) -> int:
@@ -166,11 +179,15 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)  # >> on int64 is arithmetic; the mask makes it logical
 
 
-def _grid_cells(key: int, first: int, count: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """Integers in [0, 2^52) [count, vocab]: cell j of output position p is SplitMix64 output j + 1 of the
-    stream seeded by derive_key(key, p), its top 52 bits."""
-    seeds = torch.tensor([_signed(derive_key(key, p)) for p in range(first, first + count)], dtype=torch.int64,
-                         device=device)
+def noise_seed(key: int, position: int) -> int:
+    """The SplitMix64 seed of one output position's noise under a request's noise key."""
+    return _signed(derive_key(key, position))
+
+
+def _grid_cells(seeds: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """Integers in [0, 2^52) [len(seeds), vocab]: cell j of row r is SplitMix64 output j + 1 of the stream
+    seeded by seeds[r] (noise_seed(key, position)), its top 52 bits."""
+    seeds = torch.tensor(seeds, dtype=torch.int64, device=device)
     x = seeds[:, None] + torch.arange(1, vocab + 1, dtype=torch.int64, device=device)[None, :] * _GOLDEN
     x = (x ^ _shift_right(x, 30)) * _MIX1
     x = (x ^ _shift_right(x, 27)) * _MIX2
@@ -178,9 +195,9 @@ def _grid_cells(key: int, first: int, count: int, vocab: int, device: torch.devi
     return _shift_right(x, 64 - _GRID_BITS)
 
 
-def _uniform(key: int, first: int, count: int, vocab: int, device: torch.device) -> torch.Tensor:
+def _uniform(seeds: list[int], vocab: int, device: torch.device) -> torch.Tensor:
     # u is the midpoint of a cell of a 2^52 grid on (0, 1): never 0 or 1.
-    return (_grid_cells(key, first, count, vocab, device).double() + 0.5) / _GRID
+    return (_grid_cells(seeds, vocab, device).double() + 0.5) / _GRID
 
 
 def position_noise(key: int, first: int, count: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -188,12 +205,13 @@ def position_noise(key: int, first: int, count: int, vocab: int, device: torch.d
     (key, position) only: whichever step reaches a position, and however many positions it verifies, it
     draws the same. E is strictly positive and finite: u is the midpoint of a cell of a 2^52 grid on (0, 1),
     so E = -log(u) lies in [1.1e-16, 36.7] and log E is finite (see noisy_scores)."""
-    return -torch.log(_uniform(key, first, count, vocab, device))
+    return -torch.log(_uniform([noise_seed(key, p) for p in range(first, first + count)], vocab, device))
 
 
-def position_log_noise(key: int, first: int, count: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """log E of position_noise (what scores_with_log_noise takes), computed without the intermediate E."""
-    return torch.log(-torch.log(_uniform(key, first, count, vocab, device)))
+def log_noise_rows(seeds: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """log E of the positions with these noise seeds, [len(seeds), vocab] float64: the noise of many
+    positions (of many sequences) in one pass, as scores_with_log_noise takes it."""
+    return torch.log(-torch.log(_uniform(seeds, vocab, device)))
 
 
 def noisy_scores(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

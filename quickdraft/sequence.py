@@ -172,16 +172,8 @@ class Sequence:
         noise key), [count, vocab] float64. Rows are kept until their position is committed: a step verifies
         K + 1 positions and commits as few as one, and the draft model draws at the same positions, so each
         position's noise is generated once instead of once per step that reaches it."""
-        rows = self._log_noise
-        for position in [p for p in rows if p < len(self.output_ids)]:
-            del rows[position]
-        missing = [p for p in range(first, first + count) if p not in rows]
-        if missing:
-            fresh = sampling.position_log_noise(self.noise_key, missing[0], missing[-1] - missing[0] + 1, vocab,
-                                                self.device)
-            for i, position in enumerate(range(missing[0], missing[-1] + 1)):
-                rows.setdefault(position, fresh[i])
-        return torch.stack([rows[p] for p in range(first, first + count)])
+        prefetch_log_noise([(self, first, count)], vocab)
+        return torch.stack([self._log_noise[p] for p in range(first, first + count)])
 
     def process(self, logits: torch.Tensor, pending: torch.Tensor, first_row: int = 0) -> torch.Tensor:
         """Apply the request's sampling parameters to `logits` [n, V] whose row j is the position after
@@ -229,3 +221,21 @@ class Sequence:
             del self._token_ids[len(self._token_ids) - drop:]
         self.metrics.num_generated_tokens = len(self.output_ids)
         self.finish_reason = reason
+
+
+def prefetch_log_noise(wanted: list[tuple[Sequence, int, int]], vocab: int) -> None:
+    """Make the noise rows of (sequence, first position, count) kept on each sequence, generating every
+    missing one in one pass (sampling.log_noise_rows) rather than one small pass per sequence; rows of
+    committed positions are dropped."""
+    missing: list[tuple[Sequence, int]] = []
+    for seq, first, count in wanted:
+        rows = seq._log_noise
+        for position in [p for p in rows if p < len(seq.output_ids)]:
+            del rows[position]
+        missing += [(seq, p) for p in range(first, first + count) if p not in rows]
+    if not missing:
+        return
+    device = missing[0][0].device
+    fresh = sampling.log_noise_rows([sampling.noise_seed(seq.noise_key, p) for seq, p in missing], vocab, device)
+    for row, (seq, position) in zip(fresh, missing):
+        seq._log_noise[position] = row

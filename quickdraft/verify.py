@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from quickdraft.sampling import draw
+
 
 def greedy_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept the longest prefix of draft tokens equal to the target's argmax.
@@ -76,7 +78,7 @@ def rejection_sample(
     if k == 0:
         return (
             torch.zeros(batch, dtype=torch.long, device=p.device),
-            torch.multinomial(p[:, 0], 1, generator=generator).squeeze(1),
+            draw(p[:, 0], generator),
         )
     uniform = torch.rand(batch, k, generator=generator, device=p.device, dtype=p.dtype)
     accepted = (uniform < acceptance_probs(p[:, :k], q, draft_tokens)).long()
@@ -84,5 +86,5 @@ def rejection_sample(
     # One distribution per position: the residual where a rejection would happen, p_K for the bonus.
     candidates = torch.cat([residual_probs(p[:, :k], q, draft_tokens), p[:, k:]], dim=1)
     chosen = candidates.gather(1, num_accepted[:, None, None].expand(batch, 1, vocab)).squeeze(1)
-    next_token = torch.multinomial(chosen, 1, generator=generator).squeeze(1)
+    next_token = draw(chosen, generator)
     return num_accepted, next_token

@@ -111,7 +111,8 @@ def test_position_noise_at_the_generator_extremes_never_picks_a_zero_probability
     monkeypatch.setattr(_sampling, "_grid_cells", cells)
     noise = _sampling.position_noise(key=3, first=0, count=2, vocab=16, device=torch.device("cpu"))
     assert torch.isfinite(noise).all() and (noise > 0).all()
-    log_noise = _sampling.position_log_noise(key=3, first=0, count=2, vocab=16, device=torch.device("cpu"))
+    log_noise = _sampling.log_noise_rows([_sampling.noise_seed(3, p) for p in (0, 1)], vocab=16,
+                                         device=torch.device("cpu"))
     assert torch.isfinite(log_noise).all()
     for only in (0, 5, 15):
         probs = torch.zeros(2, 16)
@@ -134,12 +135,15 @@ def test_grid_cells_are_splitmix64_and_depend_on_key_and_position_only():
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
         return (z ^ (z >> 31)) >> 12
 
-    cells = _sampling._grid_cells(key=7, first=3, count=2, vocab=6, device=torch.device("cpu"))
+    cpu = torch.device("cpu")
+    cells = _sampling._grid_cells([_sampling.noise_seed(7, p) for p in (3, 4)], vocab=6, device=cpu)
     for row, position in enumerate((3, 4)):
         seed = _sampling.derive_key(7, position)
         assert cells[row].tolist() == [splitmix(seed, j + 1) for j in range(6)]
-    alone = _sampling._grid_cells(key=7, first=4, count=1, vocab=6, device=torch.device("cpu"))
+    alone = _sampling._grid_cells([_sampling.noise_seed(7, 4)], vocab=6, device=cpu)
     assert torch.equal(alone[0], cells[1])  # position 4 alike whichever step reaches it
+    rows = _sampling.log_noise_rows([_sampling.noise_seed(7, p) for p in (3, 4)], vocab=6, device=cpu)
+    assert torch.equal(rows, _sampling.position_noise(7, 3, 2, 6, cpu).log())
     assert (cells >= 0).all() and (cells < _sampling._GRID).all()
 
 
@@ -181,3 +185,22 @@ def test_sampling_params_refuse_bad_values_by_name(kwargs, word):
 
 def test_tiny_temperatures_are_greedy():
     assert SamplingParams(temperature=1e-30).greedy and not SamplingParams(temperature=0.01).greedy
+
+
+def test_draw_is_exact_and_never_picks_a_zero_weight_token(monkeypatch):
+    from scipy import stats
+
+    from quickdraft.sampling import draw
+
+    weights = torch.tensor([0.0, 2.0, 0.0, 1.0, 0.5, 0.0, 0.5])  # unnormalised, zeros at both ends and inside
+    generator = torch.Generator().manual_seed(0)
+    draws = draw(weights.expand(40000, 7), generator)
+    counts = torch.bincount(draws, minlength=7).tolist()
+    assert counts[0] == counts[2] == counts[5] == 0
+    expected = [40000 * w / 4.0 for w in (2.0, 1.0, 0.5, 0.5)]
+    assert stats.chisquare([counts[i] for i in (1, 3, 4, 6)], expected).pvalue > 1e-4
+    # The uniform's extremes: u = 0 takes the first token of positive weight, u -> 1 the last.
+    real_rand = torch.rand
+    for u, token in ((0.0, 1), (1 - 2 ** -53, 6)):
+        monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full_like(real_rand(*a, **k), u))
+        assert draw(weights[None]).tolist() == [token]

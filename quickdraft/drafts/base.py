@@ -59,6 +59,11 @@ class Proposer(ABC):
         """The proposer a speculative_config asks for (the registry in drafts/__init__.py calls this)."""
         return cls()
 
+    @property
+    def draft_runner(self) -> "Runner | None":
+        """The model that drafts, whose per-sequence caches (the states) hold KV memory; None for lookups."""
+        return None
+
     def new_state(self, seq: "Sequence") -> Any:
         return None
 

@@ -24,6 +24,10 @@ class DraftModelProposer(Proposer):
         self.runner = runner
         self.target_vocab_size = target_vocab_size
 
+    @property
+    def draft_runner(self) -> Runner:
+        return self.runner
+
     def new_state(self, seq):
         return self.runner.new_cache()
 

@@ -315,6 +315,11 @@ class NativeRunner:
         return len(self.layers)
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * self.num_kv_heads * self.head_dim * 2 * size
+
+    @property
     def rows_invariant(self) -> bool:
         """Whether every row of a forward is computed alike whatever the other rows of the call: quickdraft's
         CPU kernels for every layer, bf16 weights (int8 ones widen differently from 32 rows on)."""

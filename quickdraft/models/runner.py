@@ -38,6 +38,10 @@ class Runner(Protocol):
     def num_layers(self) -> int: ...
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """What one position of one sequence's cache takes: layers x kv_heads x head_dim x 2 x dtype size."""
+
+    @property
     def rows_invariant(self) -> bool:
         """Whether a row's outputs are bitwise the same whatever the other rows of a forward (then a token's
         logits and cached keys do not depend on how it was batched, verified or prefilled)."""
@@ -88,6 +92,15 @@ class HFRunner:
     @property
     def rows_invariant(self) -> bool:
         return False  # torch's matmuls round a row differently with the number of rows
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        config = self.config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return int(self.num_layers) * int(kv_heads) * int(head_dim) * 2 * size
 
     def new_cache(self) -> SequenceCache:
         return SequenceCache()

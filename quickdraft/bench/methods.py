@@ -62,7 +62,7 @@ def _check_model(model: str, method: str) -> None:
 
 
 def parse_method(name: str) -> MethodSpec:
-    if name in ("none", "ngram", "quantized"):
+    if name in ("none", "ngram", "suffix", "quantized"):
         return MethodSpec(name, "quickdraft", name)
     if name.startswith("layers:"):
         value = name.split(":", 1)[1]

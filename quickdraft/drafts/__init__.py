@@ -14,10 +14,11 @@ from quickdraft.drafts.layer_skip import LayerSkipProposer
 from quickdraft.drafts.ngram import NgramProposer
 from quickdraft.drafts.none import NoDraft
 from quickdraft.drafts.quantized import QuantizedSelfProposer
+from quickdraft.drafts.suffix import SuffixProposer
 from quickdraft.errors import QuickdraftError
 
 PROPOSERS: dict[str, type[Proposer]] = {cls.name: cls for cls in (
-    NoDraft, NgramProposer, DraftModelProposer, LayerSkipProposer, QuantizedSelfProposer)}
+    NoDraft, NgramProposer, DraftModelProposer, LayerSkipProposer, QuantizedSelfProposer, SuffixProposer)}
 METHODS = tuple(PROPOSERS)
 QUANTIZATIONS = ("int8",)
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
@@ -27,8 +28,8 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 class SpeculativeConfig:
     """vLLM-style speculative configuration.
 
-    method: none | ngram | draft_model | layer_skip | quantized (inferred as draft_model when only `model` is
-        given). `quantized` drafts with the target's own weights quantized to `quantization`.
+    method: none | ngram | draft_model | layer_skip | quantized | suffix (inferred as draft_model when only
+        `model` is given). `quantized` drafts with the target's own weights quantized to `quantization`.
     num_speculative_tokens: K, the draft length per step (the largest K when adaptive).
     adaptive: pick K per request and step from the measured acceptance and forward costs, down to plain
         decoding where speculation would lose (K=0). False: always propose num_speculative_tokens.
@@ -37,6 +38,9 @@ class SpeculativeConfig:
     quantization: weight-only quantization of the draft (int8); the default for `quantized`. The target is
         never quantized by this: the output stays exactly the target's.
     prompt_lookup_min / prompt_lookup_max: the n-gram sizes ngram tries, longest first.
+    suffix_decoding_*: suffix (drafts/suffix.py): the suffix trees' depth (the longest context matched), the
+        tokens of finished requests' text kept for later requests (least recently used evicted; 0: none), the
+        draft length's cap per matched token, and the least probability a draft's continuation may have.
     """
 
     method: str | None = None
@@ -47,6 +51,10 @@ class SpeculativeConfig:
     adaptive: bool = True
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_tokens: int = 1 << 18
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -62,7 +70,7 @@ class SpeculativeConfig:
             self.quantization = "int8"
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise QuickdraftError(f"unknown quantization {self.quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
-        if self.quantization is not None and self.method in ("none", "ngram"):
+        if self.quantization is not None and self.method in ("none", "ngram", "suffix"):
             raise QuickdraftError(f"quantization applies to model drafts; method {self.method!r} has no weights")
         if not isinstance(self.adaptive, bool):
             raise QuickdraftError(f"adaptive must be true or false, got {self.adaptive!r}")
@@ -95,10 +103,11 @@ def build_proposer(config: SpeculativeConfig, context: DraftContext) -> Proposer
 
 
 def parse_draft(draft: str, k: int) -> dict[str, Any]:
-    """The command line's --draft: ngram | layers:N | quantized | none | a draft MODEL -> a speculative_config."""
+    """The command line's --draft: ngram | suffix | layers:N | quantized | none | a draft MODEL -> a
+    speculative_config."""
     if draft == "none":
         return {"method": "none"}
-    if draft in ("ngram", "quantized"):
+    if draft in ("ngram", "suffix", "quantized"):
         return {"method": draft, "num_speculative_tokens": k}
     if draft.startswith("layers:"):
         value = draft.split(":", 1)[1]
@@ -109,5 +118,5 @@ def parse_draft(draft: str, k: int) -> dict[str, Any]:
 
 
 __all__ = ["METHODS", "PROPOSERS", "SpeculativeConfig", "DraftContext", "Proposal", "Proposer", "NoDraft",
-           "NgramProposer", "DraftModelProposer", "LayerSkipProposer", "QuantizedSelfProposer", "build_proposer",
-           "parse_draft"]
+           "NgramProposer", "DraftModelProposer", "LayerSkipProposer", "QuantizedSelfProposer", "SuffixProposer",
+           "build_proposer", "parse_draft"]

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from quickdraft import LLM, SamplingParams
+from quickdraft.kv_pool import KVMemory
 
 DATASET = Path(__file__).resolve().parents[2] / "shared" / "bench" / "spec_bench_dev.jsonl"
 
@@ -40,10 +41,10 @@ def main() -> None:
 
     records = [json.loads(line) for line in open(args.dataset)]
     records = [r for r in records if len(r["turns"]) >= 2][: args.conversations]
-    config = {"method": args.draft} if args.draft != "none" else {"method": "none"}
+    config = {"method": args.draft}
     on = LLM(args.model, speculative_config=config, max_num_seqs=args.batch, enable_prefix_caching=True)
-    off = on.with_speculative_config(config)
-    off.kv_memory = type(on.kv_memory)(off.engine, None, False)
+    off = on.with_speculative_config(config)  # the same weights; its own KV memory, with prefix caching off
+    off.kv_memory = KVMemory(off.engine, None, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
 
     first = [[{"role": "user", "content": r["turns"][0]}] for r in records]

@@ -186,21 +186,24 @@ class Engine:
         prefetch_log_noise([(seq, len(seq.output_ids), hi - lo) for seq, (lo, hi) in zip(seqs, bounds)
                             if not seq.params.greedy and seq.noise_key is not None], vocab)
         on_device = [processed.argmax(-1)]  # [R]: the greedy rows' tokens (others unused)
+        filled = row  # values in on_device so far
         reads = []  # per sequence: where its target tokens or its (accepted, token) pair sit in on_device
         for seq, draft, proposal, (lo, hi) in zip(seqs, drafts, proposals, bounds):
             if seq.params.greedy:
                 reads.append(("tokens", lo))
             elif seq.noise_key is not None:
                 scores = sampling.scores_with_log_noise(processed[lo:hi], seq.log_noise(len(seq.output_ids), hi - lo, vocab))
-                reads.append(("tokens", sum(int(t.numel()) for t in on_device)))
+                reads.append(("tokens", filled))
                 on_device.append(scores.argmax(-1))  # [k_i + 1]: the target's own draws at these positions
+                filled += hi - lo
             else:
                 k = hi - lo - 1
                 q = None if proposal.probs is None else proposal.probs[:k][None]
                 accepted, token = verify.rejection_sample(processed[lo:hi][None], q, draft[None], seq.generator)
-                reads.append(("pair", sum(int(t.numel()) for t in on_device)))
+                reads.append(("pair", filled))
                 on_device.append(torch.stack([accepted[0], token[0]]))
-        draft_at = sum(int(t.numel()) for t in on_device)
+                filled += 2
+        draft_at = filled
         values = torch.cat([t.reshape(-1).to(torch.long) for t in on_device]
                            + [d.to(processed.device) for d in drafts]).tolist()  # the step's one host sync
         results, offset = [], draft_at

@@ -255,11 +255,9 @@ class StaticSequenceCache(SequenceCache):
     def reserve(self, length: int) -> None:
         if length <= self.capacity:
             return
-        r, block = self._runner, self.BLOCK
-        need = -(-length // block) * block
-        limit = max(-(-r.max_len // block) * block, need)
-        grown = self.capacity + max(64, self.capacity // 4)
-        want = min(max(need, -(-grown // block) * block), limit)
+        need = round_up(length, self.BLOCK)
+        limit = max(round_up(self._runner.max_len, self.BLOCK), need)
+        want = min(max(need, round_up(self.capacity + max(64, self.capacity // 4), self.BLOCK)), limit)
         if self.pool is not None:
             want = self.pool.grant(self, self.bytes_per_token, need, want)  # raises KVPoolFull below `need`
         self._resize(want)

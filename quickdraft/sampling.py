@@ -92,7 +92,8 @@ def probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tens
     if any(p.temperature <= 0 for p in params):
         raise ValueError("probs_rows is for sampling; greedy requests use argmax")
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    logits = _float(logits) / temperature[:, None].to(_float(logits).dtype)
+    logits = _float(logits)
+    logits = logits / temperature[:, None].to(logits.dtype)
     top_ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_ks):
         largest = max(top_ks)

@@ -238,35 +238,46 @@ def _config(method: str) -> dict:
     return config
 
 
-def _sample_rejection(llm: LLM, method: str, prompt: list[int], sp: SamplingParams):
-    """N completions verified by rejection sampling with one seeded generator. The public API cannot do this
+def _sample_rejection(llm: LLM, n: int, prompt: list[int], sp: SamplingParams):
+    """n completions verified by rejection sampling with one seeded generator. The public API cannot do this
     reproducibly (an LLM seed switches requests to position-keyed noise; without one the generator's seed is
     random), so this drives the engine's batched step as the API's scheduler does: up to BATCH sequences run
     together and ADMIT new ones join per step, so a batch mixes prompts (k = 0) with sequences drafting 1, 2
-    and 3 tokens. Returns the samples, the per-sequence metrics and the (k, accepted drafts) of every step."""
+    and 3 tokens. Returns the samples, the per-sequence metrics and the (k proposed, drafts accepted) of every
+    step, k read from each sequence's metrics (what the engine verified, however the draft chose it)."""
     engine = llm.engine
-    step_batch = engine.step_batch
     generator = torch.Generator().manual_seed(GENERATOR_SEED)
     finished, running, steps = [], [], {}
-    while len(finished) + len(running) < N[method] or running:
-        for _ in range(min(ADMIT, BATCH - len(running), N[method] - len(finished) - len(running))):
+    while len(finished) + len(running) < n or running:
+        for _ in range(min(ADMIT, BATCH - len(running), n - len(finished) - len(running))):
             running.append(engine.new_sequence(prompt, sp, generator, None))
-        ks = []
-        for seq in running:  # the k each step proposes: 0 on the prompt's step, then min(K, remaining - 1)
-            assert seq.noise_key is None
-            k = 0 if not seq.output_ids else min(K, T - len(seq.output_ids) - 1)
-            if method == "ngram" and k:  # the lookup may find fewer
-                k = len(find_continuation(np.asarray(seq.token_ids, dtype=np.int64), NGRAM["prompt_lookup_min"],
-                                          NGRAM["prompt_lookup_max"], k))
-            ks.append(k)
-        for seq, k, block in zip(running, ks, step_batch(running)):
-            steps[(k, len(block) - 1)] = steps.get((k, len(block) - 1), 0) + 1
+        assert all(seq.noise_key is None for seq in running)
+        before = [seq.metrics.proposed_tokens for seq in running]
+        for seq, proposed, block in zip(running, before, engine.step_batch(running)):
+            key = (seq.metrics.proposed_tokens - proposed, len(block) - 1)
+            steps[key] = steps.get(key, 0) + 1
         for seq in running:
-            if seq.finished:  # free its KV memory, as the scheduler does
+            if seq.finished:  # free its KV memory, as the scheduler does (a suffix draft then caches its text)
                 seq.target_cache, seq.draft_state = engine.target.new_cache(), None
                 finished.append(seq)
         running = [seq for seq in running if not seq.finished]
     return [tuple(seq.output_ids) for seq in finished], [seq.metrics for seq in finished], steps
+
+
+def assert_follows_law(test: "_LawTest", samples, metrics, steps, n: int, label: str) -> tuple[list, list]:
+    """n samples of T tokens, drafts proposed at every position up to K and accepted at the last, no sequence
+    of probability zero, and every chi-square statistic at p > LEVEL. Returns (proposed, accepted) per
+    position."""
+    assert len(samples) == n and all(len(s) == T for s in samples)
+    proposed = _sum_lists(metrics, "proposed_per_position")
+    accepted = _sum_lists(metrics, "accepted_per_position")
+    assert len(proposed) == K and proposed[2] > 0 and accepted[2] > 0, (proposed, accepted)
+    counts = np.bincount([INDEX[s] for s in samples], minlength=len(CELLS))
+    assert not test.impossible(counts), f"sampled sequences of probability zero: {test.impossible(counts)}"
+    pvalues = test.pvalues(counts)
+    print(f"\n{label}: min p {min(pvalues.values()):.3g}, steps {steps}, proposed {proposed}, accepted {accepted}")
+    assert min(pvalues.values()) > LEVEL, (pvalues, steps, proposed, accepted)
+    return proposed, accepted
 
 
 def _sum_lists(metrics, name: str) -> list[int]:
@@ -291,7 +302,7 @@ def test_five_speculative_tokens_follow_the_target_law(seeding, method, setting)
     params = SETTINGS[setting]
     llm = LLM(_models()[0], dtype="float32", device="cpu", speculative_config=_config(method))
     if seeding == "rejection":
-        samples, metrics, steps = _sample_rejection(llm, method, prompt, SamplingParams(max_tokens=T, **params))
+        samples, metrics, steps = _sample_rejection(llm, N[method], prompt, SamplingParams(max_tokens=T, **params))
         # (k, accepted): (3, 3) all three accepted, then the bonus; (3, 1), (3, 2) a residual at position 1, 2.
         assert steps.get((3, 3), 0) >= 5 and steps.get((3, 1), 0) >= 5 and steps.get((3, 2), 0) >= 5, steps
     else:
@@ -300,19 +311,9 @@ def test_five_speculative_tokens_follow_the_target_law(seeding, method, setting)
         samples, metrics, steps = [tuple(c.token_ids) for c in out.outputs], [out.metrics], None
         assert len(set(samples)) >= 50  # the n completions are distinct draws, not one draw repeated
 
-    assert len(samples) == N[method] and all(len(s) == T for s in samples)
-    proposed = _sum_lists(metrics, "proposed_per_position")
-    accepted = _sum_lists(metrics, "accepted_per_position")
-    assert len(proposed) == K and proposed[2] > 0 and accepted[2] > 0, (proposed, accepted)
+    proposed, accepted = assert_follows_law(test, samples, metrics, steps, N[method], f"{seeding} {method} {setting}")
     reached = _sum_lists(metrics, "reached_per_position")  # rejected at position i: reached there, not accepted
     assert reached[1] > accepted[1] and reached[2] > accepted[2], (reached, accepted)
-
-    counts = np.bincount([INDEX[s] for s in samples], minlength=len(CELLS))
-    assert not test.impossible(counts), f"sampled sequences of probability zero: {test.impossible(counts)}"
-    pvalues = test.pvalues(counts)
-    print(f"\n{seeding} {method} {setting}: min p {min(pvalues.values()):.3g}, steps {steps}, "
-          f"proposed {proposed}, accepted {accepted}")
-    assert min(pvalues.values()) > LEVEL, (pvalues, steps, proposed, accepted)
 
 
 def _rejection_rate(test: _LawTest, sampled_law: np.ndarray, rng: np.random.Generator, repeats: int = 50) -> float:

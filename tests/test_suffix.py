@@ -409,8 +409,7 @@ def test_sampled_output_follows_the_target_law(seeding, setting):
     and contain no sequence of probability zero. The drafts come from the cache of earlier completions, so
     they differ from one sequence to the next; the steps must include ones with 3 drafts all accepted (then
     the bonus) and, under rejection sampling, rejections at draft positions 1 and 2 (the residual)."""
-    from test_law import (ADMIT, BATCH, GENERATOR_SEED, INDEX, LEVEL, REQUEST_SEED, SETTINGS, CELLS, K, T, _models,
-                          _setup, _sum_lists)
+    from test_law import REQUEST_SEED, SETTINGS, K, T, _models, _sample_rejection, _setup, assert_follows_law
 
     prompt, _, law, test = _setup("ngram", setting)  # ngram's prompts and sample size; the law is the target's
     n = test.n
@@ -418,23 +417,7 @@ def test_sampled_output_follows_the_target_law(seeding, setting):
     llm = LLM(_models()[0], dtype="float32", device="cpu",
               speculative_config=_suffix(K, suffix_decoding_min_token_prob=0.0))
     if seeding == "rejection":
-        engine = llm.engine
-        generator = torch.Generator().manual_seed(GENERATOR_SEED)
-        sp = SamplingParams(max_tokens=T, **params)
-        finished, running, steps = [], [], {}
-        while len(finished) + len(running) < n or running:
-            for _ in range(min(ADMIT, BATCH - len(running), n - len(finished) - len(running))):
-                running.append(engine.new_sequence(prompt, sp, generator, None))
-            before = [seq.metrics.proposed_tokens for seq in running]
-            for seq, proposed, block in zip(running, before, engine.step_batch(running)):
-                key = (seq.metrics.proposed_tokens - proposed, len(block) - 1)
-                steps[key] = steps.get(key, 0) + 1
-            for seq in running:
-                if seq.finished:
-                    seq.target_cache, seq.draft_state = engine.target.new_cache(), None
-                    finished.append(seq)
-            running = [seq for seq in running if not seq.finished]
-        samples, metrics = [tuple(seq.output_ids) for seq in finished], [seq.metrics for seq in finished]
+        samples, metrics, steps = _sample_rejection(llm, n, prompt, SamplingParams(max_tokens=T, **params))
         assert steps.get((3, 3), 0) >= 5 and steps.get((3, 1), 0) >= 5 and steps.get((3, 2), 0) >= 5, steps
     else:
         sp = SamplingParams(n=n, max_tokens=T, seed=REQUEST_SEED, **params)
@@ -442,13 +425,4 @@ def test_sampled_output_follows_the_target_law(seeding, setting):
         samples, metrics, steps = [tuple(c.token_ids) for c in out.outputs], [out.metrics], None
         assert len(set(samples)) >= 50
 
-    assert len(samples) == n and all(len(s) == T for s in samples)
-    proposed = _sum_lists(metrics, "proposed_per_position")
-    accepted = _sum_lists(metrics, "accepted_per_position")
-    assert len(proposed) == K and proposed[2] > 0 and accepted[2] > 0, (proposed, accepted)
-    counts = np.bincount([INDEX[s] for s in samples], minlength=len(CELLS))
-    assert not test.impossible(counts), f"sampled sequences of probability zero: {test.impossible(counts)}"
-    pvalues = test.pvalues(counts)
-    print(f"\n{seeding} suffix {setting}: min p {min(pvalues.values()):.3g}, steps {steps}, proposed {proposed}, "
-          f"accepted {accepted}")
-    assert min(pvalues.values()) > LEVEL, (pvalues, steps, proposed, accepted)
+    assert_follows_law(test, samples, metrics, steps, n, f"{seeding} suffix {setting}")

@@ -209,23 +209,22 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         state.check_accepting()
-        generation = await serving.completions(body)
-        if body.stream:
-            return StreamingResponse(serving.stream(generation, chat=False, include_usage=_include_usage(body)),
-                                     media_type="text/event-stream")
-        texts = await _collect(generation, request)
-        return JSONResponse(serving.completion_response(generation, texts, body.return_token_ids)
-                            .model_dump(mode="json"))
+        return await _answer(await serving.completions(body), body, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         state.check_accepting()
-        generation = await serving.chat_completions(body)
+        return await _answer(await serving.chat_completions(body), body, request, chat=True)
+
+    async def _answer(generation, body: CompletionRequest | ChatCompletionRequest, request: Request,
+                      chat: bool) -> Response:
+        """A stream of SSE chunks, or the whole response once every completion has finished."""
         if body.stream:
-            return StreamingResponse(serving.stream(generation, chat=True, include_usage=_include_usage(body)),
+            return StreamingResponse(serving.stream(generation, chat=chat, include_usage=_include_usage(body)),
                                      media_type="text/event-stream")
         texts = await _collect(generation, request)
-        return JSONResponse(serving.chat_response(generation, texts, body.return_token_ids).model_dump(mode="json"))
+        build = serving.chat_response if chat else serving.completion_response
+        return JSONResponse(build(generation, texts, body.return_token_ids).model_dump(mode="json"))
 
     async def _collect(generation, request: Request) -> list[str]:
         try:

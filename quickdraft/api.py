@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import random
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence as Seq
@@ -12,9 +13,9 @@ import torch
 from torch import nn
 
 from quickdraft import kv_pool
-from quickdraft.drafts import DraftContext, Proposer, SpeculativeConfig, build_proposer
+from quickdraft.drafts import DraftContext, LoadedDraft, Proposer, SpeculativeConfig, build_proposer, read_config
 from quickdraft.engine import Engine, RequestMetrics
-from quickdraft.errors import QuickdraftError, TokenizerMismatchError
+from quickdraft.errors import QuickdraftError
 from quickdraft.models import loader
 from quickdraft.models.runner import RUNNERS, Runner, make_runner
 from quickdraft.params import SEED_MAX, SEED_MIN, SamplingParams
@@ -55,23 +56,6 @@ class TextStream:
 
     def __iter__(self) -> Iterator[str]:
         return self._deltas
-
-
-def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
-    if target_tok is None or draft_tok is None:
-        if (target_tok is None) != (draft_tok is None):
-            raise TokenizerMismatchError(
-                f"cannot check that draft '{draft_name}' shares the tokenizer of target '{target_name}': only one "
-                "of them has a tokenizer; use a draft of the same family, or method ngram or layer_skip")
-        return
-    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
-    if target_vocab != draft_vocab:
-        differing = next((t for t, i in target_vocab.items() if draft_vocab.get(t) != i), None)
-        raise TokenizerMismatchError(
-            f"draft model '{draft_name}' has another tokenizer than target '{target_name}' "
-            f"({len(draft_vocab)} vs {len(target_vocab)} tokens; first difference at token {differing!r}). "
-            "A draft model must share the target's tokenizer: use a smaller model of the same family, "
-            "or method 'ngram' or 'layer_skip'")
 
 
 def _prompt_list(prompts) -> list[Prompt]:
@@ -153,8 +137,11 @@ class LLM:
             self.dtype = loader.resolve_dtype(dtype, self.device)
         self.runner_kind = runner
         self.trust_remote_code = trust_remote_code
+        if isinstance(speculative_config, (str, os.PathLike)):
+            speculative_config = read_config(speculative_config)
         if speculative_config is not None and not isinstance(speculative_config, (dict, SpeculativeConfig)):
-            raise QuickdraftError(f"speculative_config must be a dict, got {type(speculative_config).__name__}")
+            raise QuickdraftError("speculative_config must be a dict or a JSON file, got "
+                                  f"{type(speculative_config).__name__}")
         config = dict(speculative_config or {}) if not isinstance(speculative_config, SpeculativeConfig) \
             else speculative_config
         if speculative_model is not None or num_speculative_tokens is not None:
@@ -173,7 +160,8 @@ class LLM:
         self.proposer = self._build_proposer(self.speculative_config)
         eos = self._eos_token_ids(target_model)
         self.engine = Engine(self.target, self.proposer, self.speculative_config.effective_k, eos, max_model_len,
-                             adaptive_k=self.speculative_config.adaptive)
+                             adaptive_k=self.speculative_config.adaptive,
+                             relaxed_threshold=self.speculative_config.relaxed_threshold)
         # An LLM seed makes every request reproducible: a request without a seed of its own gets a noise key
         # from this generator, so its draws are position-keyed and do not depend on how many random numbers
         # speculation consumed (adaptive K changes that from run to run).
@@ -200,7 +188,8 @@ class LLM:
         other.proposer = other._build_proposer(other.speculative_config)
         other.engine = Engine(self.target, other.proposer, other.speculative_config.effective_k,
                               self.engine.eos_token_ids, self.engine.max_len,
-                              adaptive_k=other.speculative_config.adaptive)
+                              adaptive_k=other.speculative_config.adaptive,
+                              relaxed_threshold=other.speculative_config.relaxed_threshold)
         other._seed_rng = random.Random(self._seed_rng.getrandbits(63))
         other.kv_memory = kv_pool.KVMemory(other.engine, other.kv_cache_memory, other.enable_prefix_caching)
         return other
@@ -215,14 +204,12 @@ class LLM:
         return model, loaded, tokenizer if tokenizer is not None else loaded_tokenizer, source
 
     def _build_proposer(self, config: SpeculativeConfig) -> Proposer:
-        return build_proposer(config, DraftContext(self.target, self._draft_runner))
+        return build_proposer(config, DraftContext(self.target, self._load_draft, self.tokenizer, self.model_name))
 
-    def _draft_runner(self, model: str | nn.Module) -> Runner:
-        """A draft model's runner, after checking that it shares the target's tokenizer."""
-        draft_name, draft_model, draft_tokenizer, _ = self._load(model, None)
-        if self.tokenizer is not None or draft_tokenizer is not None:
-            check_same_tokenizer(self.tokenizer, draft_tokenizer, self.model_name, draft_name)
-        return make_runner(draft_model, draft_name, self.runner_kind)
+    def _load_draft(self, model: str | nn.Module, tokenizer: Any = None) -> LoadedDraft:
+        """A draft model's runner and tokenizer (the draft proposer compares it with the target's)."""
+        draft_name, draft_model, draft_tokenizer, _ = self._load(model, tokenizer)
+        return LoadedDraft(make_runner(draft_model, draft_name, self.runner_kind), draft_tokenizer, draft_name)
 
     @staticmethod
     def _eos_token_ids(model: nn.Module) -> set[int]:

@@ -29,7 +29,8 @@ class Engine:
     """Speculative decoding of sequences with one target runner and one proposer."""
 
     def __init__(self, target: Runner, proposer: Proposer, num_speculative_tokens: int,
-                 eos_token_ids: set[int] | None = None, max_len: int | None = None, adaptive_k: bool = False):
+                 eos_token_ids: set[int] | None = None, max_len: int | None = None, adaptive_k: bool = False,
+                 relaxed_threshold: float | None = None):
         if num_speculative_tokens < 0:
             raise QuickdraftError(f"num_speculative_tokens must be >= 0 (0: plain decoding), got {num_speculative_tokens}")
         self.target = target
@@ -40,6 +41,8 @@ class Engine:
         self.batch_costs = adaptive.BatchCosts()  # any batch, by rows
         self.eos_token_ids = set(eos_token_ids or ())
         self.max_len = min(max_len or target.max_len, target.max_len)
+        # LOSSY relaxed acceptance (SpeculativeConfig acceptance="relaxed"): None, the default, is exact.
+        self.relaxed_threshold = relaxed_threshold
 
     @property
     def device(self) -> torch.device:
@@ -50,7 +53,7 @@ class Engine:
         adaptive or fixed (default: as this engine)."""
         adaptive_k = self.adaptive_k if adaptive_k is None else adaptive_k
         return Engine(self.target, self.proposer, num_speculative_tokens, self.eos_token_ids, self.max_len,
-                      adaptive_k)
+                      adaptive_k, self.relaxed_threshold)
 
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams,
                      generator: torch.Generator | None = None, noise_key: int | None = None) -> Sequence:
@@ -66,6 +69,7 @@ class Engine:
         seq = Sequence(prompt_ids, params, generator, self.device, vocab, noise_key)
         seq.target_cache = self.target.new_cache()
         seq.metrics.num_speculative_tokens = self.k
+        seq.metrics.lossy = self.relaxed_threshold is not None and self.k > 0
         seq.draft_state = self.proposer.new_state(seq)
         return seq
 
@@ -187,36 +191,54 @@ class Engine:
                             if not seq.params.greedy and seq.noise_key is not None], vocab)
         on_device = [processed.argmax(-1)]  # [R]: the greedy rows' tokens (others unused)
         filled = row  # values in on_device so far
-        reads = []  # per sequence: where its target tokens or its (accepted, token) pair sit in on_device
+        reads = []  # per sequence: (kind, where its target tokens or (accepted, token) pair sit in on_device,
+        #             where its relaxed test's k results sit, or None)
+        relaxed = self.relaxed_threshold
         for seq, draft, proposal, (lo, hi) in zip(seqs, drafts, proposals, bounds):
-            if seq.params.greedy:
-                reads.append(("tokens", lo))
-            elif seq.noise_key is not None:
-                scores = sampling.scores_with_log_noise(processed[lo:hi], seq.log_noise(len(seq.output_ids), hi - lo, vocab))
-                reads.append(("tokens", filled))
-                on_device.append(scores.argmax(-1))  # [k_i + 1]: the target's own draws at these positions
-                filled += hi - lo
+            k = hi - lo - 1
+            q = None if proposal.probs is None else proposal.probs[:k][None]
+            if seq.params.greedy or seq.noise_key is not None:
+                if seq.params.greedy:
+                    at = lo
+                else:
+                    scores = sampling.scores_with_log_noise(processed[lo:hi], seq.log_noise(len(seq.output_ids), hi - lo, vocab))
+                    at = filled
+                    on_device.append(scores.argmax(-1))  # [k_i + 1]: the target's own draws at these positions
+                    filled += hi - lo
+                passes_at = None
+                if relaxed is not None and k > 0:  # LOSSY: see SpeculativeConfig.acceptance
+                    if seq.params.greedy:  # p(x) >= threshold * the target's top probability
+                        probs = torch.softmax(processed[lo:lo + k].float(), -1)  # [k, V]
+                        px = probs.gather(-1, draft[:, None].to(probs.device)).squeeze(-1)
+                        passes = px >= relaxed * probs.max(-1).values
+                    else:
+                        passes = verify.relaxed_accepts(processed[lo:lo + k][None], q, draft[None], relaxed)[0]
+                    passes_at = filled
+                    on_device.append(passes)
+                    filled += k
+                reads.append(("tokens", at, passes_at))
             else:
-                k = hi - lo - 1
-                q = None if proposal.probs is None else proposal.probs[:k][None]
-                accepted, token = verify.rejection_sample(processed[lo:hi][None], q, draft[None], seq.generator)
-                reads.append(("pair", filled))
+                accepted, token = verify.rejection_sample(processed[lo:hi][None], q, draft[None], seq.generator,
+                                                          relaxed)
+                reads.append(("pair", filled, None))
                 on_device.append(torch.stack([accepted[0], token[0]]))
                 filled += 2
         draft_at = filled
         values = torch.cat([t.reshape(-1).to(torch.long) for t in on_device]
                            + [d.to(processed.device) for d in drafts]).tolist()  # the step's one host sync
         results, offset = [], draft_at
-        for (kind, at), draft in zip(reads, drafts):
+        for (kind, at, passes_at), draft in zip(reads, drafts):
             k = int(draft.numel())
             proposed = values[offset: offset + k]
             offset += k
             if kind == "pair":
                 results.append((values[at], values[at + 1]))
                 continue
-            # Greedy matching of the target's tokens (argmax, or its seeded draws): the longest agreeing prefix.
+            # Greedy matching of the target's tokens (argmax, or its seeded draws): the longest agreeing prefix
+            # (relaxed: or passing the relaxed test).
             targets = values[at: at + k + 1]
-            accepted = next((j for j in range(k) if proposed[j] != targets[j]), k)
+            passes = values[passes_at: passes_at + k] if passes_at is not None else [0] * k
+            accepted = next((j for j in range(k) if proposed[j] != targets[j] and not passes[j]), k)
             results.append((accepted, targets[accepted]))
         return results
 

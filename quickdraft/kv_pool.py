@@ -444,11 +444,13 @@ class KVMemory:
                 raise QuickdraftError(f"kv_cache_memory of {budget_bytes} bytes holds no block of KV cache "
                                       f"({self.pool.block_bytes} bytes: 16 positions x "
                                       f"{self.pool.bytes_per_token} bytes per token); give more")
-        # One prefix cache per runner whose caches are static (None for the others).
+        # One prefix cache per runner whose caches are static and keyed by the target's tokens (None for the
+        # others: a draft with another tokenizer holds its own tokens).
+        aligned = [True, engine.proposer.draft_reads_target_tokens]
         self.prefix_caches: list[PrefixCache | None] = [
             PrefixCache(r, self.pool, None if self.pool else DEFAULT_PREFIX_CACHE_TOKENS // BLOCK_SIZE)
-            if enable_prefix_caching and isinstance(r.new_cache(), StaticSequenceCache) else None
-            for r in self.runners]
+            if enable_prefix_caching and same_tokens and isinstance(r.new_cache(), StaticSequenceCache) else None
+            for r, same_tokens in zip(self.runners, aligned)]
         if self.pool is not None:
             self.pool.reclaim = self._reclaim
 

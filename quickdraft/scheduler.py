@@ -259,9 +259,12 @@ class Scheduler:
         return caches
 
     def _reserve(self, seq: Sequence) -> bool:
-        """Make every counted cache of `seq` able to hold len(token_ids) + K + 1 positions for its next step."""
-        length = len(seq.token_ids) + self.engine.k + 1
-        return all(self.pool.ensure(cache, length, bpt, runner.max_len) for cache, runner, bpt in self._caches(seq))
+        """Make every counted cache of `seq` able to hold its history + K + 1 positions for its next step (the
+        draft's history is the target's unless the draft has another tokenizer)."""
+        extra = self.engine.k + 1
+        lengths = [len(seq.token_ids) + extra, len(self.engine.proposer.draft_history(seq)) + extra]
+        return all(self.pool.ensure(cache, length, bpt, runner.max_len)
+                   for (cache, runner, bpt), length in zip(self._caches(seq), lengths))
 
     def _release(self, seq: Sequence) -> None:
         if self.pool is None:

@@ -57,6 +57,9 @@ class RequestMetrics:
     verify_time_s: float = 0.0
     wall_time_s: float = 0.0
     first_token_time_s: float | None = None
+    # Verified with the LOSSY relaxed acceptance (asked for by name: SpeculativeConfig acceptance="relaxed"): the
+    # output is not distributed as the target's. Always False for exact verification.
+    lossy: bool = False
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -116,7 +119,8 @@ class RequestMetrics:
         total = RequestMetrics(num_prompt_tokens=parts[0].num_prompt_tokens,
                                num_cached_tokens=parts[0].num_cached_tokens,
                                num_speculative_tokens=parts[0].num_speculative_tokens,
-                               first_token_time_s=parts[0].first_token_time_s)
+                               first_token_time_s=parts[0].first_token_time_s,
+                               lossy=any(m.lossy for m in parts))
         for m in parts:
             for name in ("num_generated_tokens", "target_forwards", "draft_forwards", "num_drafts",
                          "proposed_tokens", "accepted_tokens", "draft_time_s", "target_time_s", "verify_time_s"):

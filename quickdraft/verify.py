@@ -49,6 +49,17 @@ def acceptance_probs(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torc
     return (px / qx.clamp_min(torch.finfo(p.dtype).tiny)).clamp(max=1.0)
 
 
+def relaxed_accepts(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Tensor,
+                    threshold: float) -> torch.Tensor:
+    """LOSSY: whether each draft token x passes the relaxed test p(x) >= threshold * q(x) (accepted whatever the
+    random draw). p, q: [B, K, V] (q None: one-hot, so the test is p(x) >= threshold). Returns bool [B, K].
+    Only the relaxed acceptance mode asks for this; exact verification never does."""
+    q = _as_draft_probs(q, draft_tokens, p)
+    px = p.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    qx = q.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    return px >= threshold * qx
+
+
 def residual_probs(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Tensor) -> torch.Tensor:
     """The distribution to sample from after a rejection: max(0, p - q) renormalised. [B, K, V].
 
@@ -65,14 +76,18 @@ def rejection_sample(
     q: torch.Tensor | None,
     draft_tokens: torch.Tensor,
     generator: torch.Generator | None = None,
+    relaxed_threshold: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lossless speculative sampling.
+    """Lossless speculative sampling (unless relaxed_threshold is given: see below).
 
     p: [B, K+1, V] processed target probabilities, q: [B, K, V] processed draft probabilities or None for a
     deterministic draft, draft_tokens: [B, K]. Token i is accepted with probability min(1, p_i(x)/q_i(x));
     at the first rejection the next token is drawn from max(0, p_i - q_i) renormalised; when all K are
     accepted it is a bonus token drawn from p_K. The emitted tokens are distributed exactly as K+1 steps of
-    plain sampling from p. Returns (num_accepted [B], next_token [B])."""
+    plain sampling from p. Returns (num_accepted [B], next_token [B]).
+
+    relaxed_threshold (LOSSY, None by default): a draft token also passes whenever p(x) >= threshold * q(x)
+    (relaxed_accepts); the output then no longer follows p."""
     batch, k = draft_tokens.shape
     vocab = p.shape[-1]
     if k == 0:
@@ -81,7 +96,10 @@ def rejection_sample(
             draw(p[:, 0], generator),
         )
     uniform = torch.rand(batch, k, generator=generator, device=p.device, dtype=p.dtype)
-    accepted = (uniform < acceptance_probs(p[:, :k], q, draft_tokens)).long()
+    passes = uniform < acceptance_probs(p[:, :k], q, draft_tokens)
+    if relaxed_threshold is not None:
+        passes = passes | relaxed_accepts(p[:, :k], q, draft_tokens, relaxed_threshold)
+    accepted = passes.long()
     num_accepted = accepted.cumprod(-1).sum(-1)
     # One distribution per position: the residual where a rejection would happen, p_K for the bonus.
     candidates = torch.cat([residual_probs(p[:, :k], q, draft_tokens), p[:, k:]], dim=1)

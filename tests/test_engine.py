@@ -292,3 +292,32 @@ def test_negative_k_is_refused_with_the_right_bound():
     llm = LLM(tiny_llama(seed=0))
     with pytest.raises(QuickdraftError, match=">= 0"):
         Engine(llm.target, NoDraft(), -1)
+
+
+def test_relaxed_acceptance_is_lossy_labelled_and_never_the_default():
+    """acceptance='relaxed' must be asked for by name with a threshold; outputs say lossy; greedy relaxed output
+    accepts drafts the target's argmax would not (here: a draft model of other weights, threshold 0.05, so its
+    text differs from plain greedy text), while exact verification's equals it."""
+    target, draft = tiny_llama(seed=0), tiny_llama(seed=7)
+    with pytest.raises(QuickdraftError, match="threshold in"):
+        LLM(target, dtype="float32", speculative_config={"model": draft, "acceptance": "relaxed"})
+    with pytest.raises(QuickdraftError, match="threshold applies to acceptance 'relaxed'"):
+        LLM(target, dtype="float32", speculative_config={"model": draft, "threshold": 0.5})
+    with pytest.raises(QuickdraftError, match="unknown acceptance"):
+        LLM(target, dtype="float32", speculative_config={"model": draft, "acceptance": "fast"})
+    prompts = [{"prompt_token_ids": [i, (3 * i) % 32, 5, 9]} for i in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    plain = [o.outputs[0].token_ids for o in LLM(target, dtype="float32").generate(prompts, sp)]
+    exact = LLM(target, dtype="float32", speculative_config={"model": draft, "num_speculative_tokens": 4})
+    out = exact.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in out] == plain and not any(o.metrics.lossy for o in out)
+    relaxed = LLM(target, dtype="float32", speculative_config={"model": draft, "num_speculative_tokens": 4,
+                                                               "adaptive": False, "acceptance": "relaxed",
+                                                               "threshold": 0.05})
+    out = relaxed.generate(prompts, sp)
+    assert all(o.metrics.lossy and o.metrics.to_dict()["lossy"] for o in out)
+    assert [o.outputs[0].token_ids for o in out] != plain
+    exact_rate = sum(o.metrics.accepted_tokens for o in exact.generate(prompts, sp))
+    assert sum(o.metrics.accepted_tokens for o in out) > exact_rate
+    sampled = relaxed.generate(prompts, SamplingParams(temperature=0.8, max_tokens=8, seed=3))
+    assert all(o.metrics.lossy for o in sampled)

@@ -60,14 +60,40 @@ def test_gemma3_has_no_chat_template_and_another_tokenizer(gemma3, smollm2):
         gemma3.chat([{"role": "user", "content": "hi"}])
     out = gemma3.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=5))[0]
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].text
-    # A draft model object without a tokenizer cannot be checked against the target's: refused.
+    # A draft model object without a tokenizer cannot be compared with the target's: refused.
     with pytest.raises(TokenizerMismatchError, match="only one of them has a tokenizer"):
         LLM(smollm2.target.model, tokenizer=smollm2.tokenizer,
             speculative_config={"method": "draft_model", "model": gemma3.target.model},
             dtype="float32", device="cpu")
-    # Both have tokenizers, and they differ: refused with the first differing token.
-    with pytest.raises(TokenizerMismatchError, match="another tokenizer"):
-        LLM("smollm2-135m", speculative_model="gemma3-270m", dtype="float32", device="cpu")
+
+
+def test_a_draft_with_another_tokenizer_drafts_over_the_intersection(gemma3, smollm2):
+    """Gemma 3 (SentencePiece-style, 262k tokens) as target, SmolLM2 (byte-level BPE, 49k) as draft: the draft
+    proposes tokens of the intersection, compared by the bytes they stand for, and greedy output is plain
+    greedy output."""
+    from quickdraft.drafts.cross_vocab import CrossVocabDraftProposer, token_bytes
+
+    llm = LLM(gemma3.target.model, tokenizer=gemma3.tokenizer, dtype="float32", device="cpu",
+              speculative_config={"model": smollm2.target.model, "tokenizer": smollm2.tokenizer,
+                                  "num_speculative_tokens": 4, "adaptive": False})
+    assert isinstance(llm.proposer, CrossVocabDraftProposer)
+    mapping = llm.proposer.mapping
+    assert 30_000 < mapping.size < 49_152
+    # The byte tables agree with each tokenizer's own decoding of its tokens.
+    for tokenizer in (gemma3.tokenizer, smollm2.tokenizer):
+        table, _, _ = token_bytes(tokenizer)
+        sample = sorted(table)[::997]
+        decoded = [tokenizer.decode([i]) for i in sample]
+        assert sum(table[i].decode("utf-8", "replace") == text for i, text in zip(sample, decoded)) >= 0.98 * len(sample)
+    # " the" is one token in both: it is in the intersection, the draft's token for the target's.
+    target_the = gemma3.tokenizer.convert_tokens_to_ids("\u2581the")
+    assert mapping.translate(target_the) == (smollm2.tokenizer.convert_tokens_to_ids("\u0120the"),)
+    prompts = ["The capital of France is", "def add(a, b):\n    "]
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    spec = llm.generate(prompts, sp)
+    plain = gemma3.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics.accepted_tokens for o in spec) > 0
 
 
 def test_gguf_loading_without_the_conversion_cache(monkeypatch, tmp_path):

@@ -159,3 +159,37 @@ def test_greedy_accept_counts_matching_prefix_and_uses_the_right_position():
     assert [t.tolist() for t in greedy_accept(logits, torch.tensor([[3, 1, 4]]))] == [[3], [0]]  # bonus
     assert [t.tolist() for t in greedy_accept(logits, torch.tensor([[3, 2, 4]]))] == [[1], [1]]  # correction
     assert [t.tolist() for t in greedy_accept(logits, torch.tensor([[0, 1, 4]]))] == [[0], [3]]
+
+
+def test_relaxed_test_passes_where_p_reaches_threshold_times_q():
+    from quickdraft.verify import relaxed_accepts
+
+    p = torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]], dtype=DTYPE)  # [B=1, K=2, V=3]
+    q = torch.tensor([[[0.2, 0.6, 0.2], [0.6, 0.2, 0.2]]], dtype=DTYPE)
+    draft = torch.tensor([[1, 0]])
+    # 0.3 >= 0.5 * 0.6 passes; 0.1 >= 0.5 * 0.6 does not; one-hot q: p(x) >= threshold.
+    assert relaxed_accepts(p, q, draft, 0.5).tolist() == [[True, False]]
+    assert relaxed_accepts(p, None, draft, 0.3).tolist() == [[True, False]]
+    assert relaxed_accepts(p, None, draft, 0.05).tolist() == [[True, True]]
+
+
+def test_relaxed_rejection_sampling_is_lossy_and_only_when_asked():
+    """Exact by default: the emitted law of one draft position is p. With a threshold, a draft token that
+    passes p(x) >= threshold * q(x) is always accepted: the law moves towards q (computed exactly here)."""
+    p = torch.tensor([0.6, 0.3, 0.1], dtype=DTYPE)
+    q = torch.tensor([0.1, 0.3, 0.6], dtype=DTYPE)
+    n = 40_000
+    generator = torch.Generator().manual_seed(3)
+    draft = torch.multinomial(q, n, replacement=True, generator=generator)[:, None]  # [n, 1]
+    big_p = p.expand(n, 2, 3)
+    big_q = q.expand(n, 1, 3)
+    exact_law = p
+    for threshold, expected in ((None, exact_law), (0.1, None)):
+        accepted, token = rejection_sample(big_p, big_q, draft, generator, relaxed_threshold=threshold)
+        first = torch.where(accepted > 0, draft[:, 0], token)
+        counts = torch.bincount(first, minlength=3).double()
+        if expected is None:
+            # threshold 0.1: token 2 (p = 0.1 >= 0.1 * 0.6) is now always accepted: P(2) = q(2) = 0.6, far from 0.1.
+            assert counts[2] / n > 0.55
+        else:
+            assert stats.chisquare(counts.numpy(), (expected * n).numpy()).pvalue > 1e-4

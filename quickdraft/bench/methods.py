@@ -18,7 +18,7 @@ from torch import nn
 
 from quickdraft.bench import METHOD_HELP
 from quickdraft.engine import RequestMetrics
-from quickdraft.errors import QuickdraftError
+from quickdraft.errors import QuickdraftError, TokenizerMismatchError
 from quickdraft.models import loader
 from quickdraft.models.runner import HFRunner
 from quickdraft.params import SamplingParams
@@ -263,6 +263,23 @@ class LlamaCppRunner(Runner):
         return Generation(tokens, time.perf_counter() - start)
 
 
+def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+    if target_tok is None or draft_tok is None:
+        if (target_tok is None) != (draft_tok is None):
+            raise TokenizerMismatchError(
+                f"cannot check that draft '{draft_name}' shares the tokenizer of target '{target_name}': only one "
+                "of them has a tokenizer; use a draft of the same family, or method ngram or layer_skip")
+        return
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = next((t for t, i in target_vocab.items() if draft_vocab.get(t) != i), None)
+        raise TokenizerMismatchError(
+            f"draft model '{draft_name}' has another tokenizer than target '{target_name}' "
+            f"({len(draft_vocab)} vs {len(target_vocab)} tokens; first difference at token {differing!r}). "
+            "transformers' assisted generation needs the target's tokenizer: use a smaller model of the same "
+            "family (quickdraft's own draft_model method takes one with another tokenizer)")
+
+
 def _label(spec: MethodSpec, k: int, sweep: bool) -> str:
     return f"{spec.name} k={k}" if spec.speculative and sweep else spec.name
 
@@ -272,7 +289,6 @@ def build_runners(specs: Sequence[MethodSpec], ks: Sequence[int], target: Target
     """One runner per method and K (baselines once); quickdraft methods share one LLM per method, all on the
     reference LLM's target runner. A K sweep runs each K fixed; a single K is the largest K of adaptive
     decoding unless adaptive is False."""
-    from quickdraft.api import check_same_tokenizer
     from quickdraft.drafts import parse_draft
 
     sweep = len(ks) > 1

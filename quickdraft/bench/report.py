@@ -52,6 +52,7 @@ class PromptResult:
             "question_id": self.record.question_id, "category": self.record.category, "turns": len(self.turns),
             "prompt_tokens": [len(t.prompt_ids) for t in self.turns],
             "generated_tokens": [len(t.generation.token_ids) for t in self.turns],
+            "turn_seconds": [t.generation.seconds for t in self.turns],
             "seconds": self.seconds, "tokens_per_s": self.tokens_per_s,
             "acceptance_rate": pooled.acceptance_rate,
             "mean_acceptance_length": pooled.mean_acceptance_length,
@@ -100,10 +101,21 @@ def group_stats(results: Sequence[PromptResult], greedy: bool) -> dict[str, Any]
     return stats
 
 
+SECOND_TURNS = "second turns"  # the later turns of multi-turn records, which follow the method's own first answer
+
+
 def _variant_stats(results: Sequence[PromptResult], categories: Sequence[str], greedy: bool) -> dict:
-    return {"overall": group_stats(results, greedy),
-            "categories": {c: group_stats([r for r in results if r.record.category == c], greedy)
-                           for c in categories}}
+    groups = {c: group_stats([r for r in results if r.record.category == c], greedy) for c in categories}
+    later = [PromptResult(r.record, r.turns[1:]) for r in results if len(r.turns) > 1]
+    if later:
+        groups[SECOND_TURNS] = group_stats(later, greedy)
+    return {"overall": group_stats(results, greedy), "categories": groups}
+
+
+def _groups(report_config: dict, methods: dict) -> list[str]:
+    """The rows of the by-category table: overall, each category, then the multi-turn records' later turns."""
+    extra = [SECOND_TURNS] if any(SECOND_TURNS in m["categories"] for m in methods.values()) else []
+    return ["overall", *report_config["categories"], *extra]
 
 
 def build_report(config: dict, runners: Sequence[Runner], results: dict[str, list[PromptResult]],
@@ -114,12 +126,13 @@ def build_report(config: dict, runners: Sequence[Runner], results: dict[str, lis
     variants = {r.label: _variant_stats(results[r.label], categories, greedy) for r in runners}
     references = {name: variants.get(name) for name in REFERENCES}
     for stats in variants.values():
-        for group in ["overall", *categories]:
+        for group in ["overall", *stats["categories"]]:
             mine = stats["overall"] if group == "overall" else stats["categories"][group]
             for name, ref in references.items():
                 if ref is not None:
-                    theirs = ref["overall"] if group == "overall" else ref["categories"][group]
-                    mine[f"speedup_vs_{name}"] = _ratio(mine["tokens_per_s"], theirs["tokens_per_s"])
+                    theirs = ref["overall"] if group == "overall" else ref["categories"].get(group)
+                    if theirs is not None:
+                        mine[f"speedup_vs_{name}"] = _ratio(mine["tokens_per_s"], theirs["tokens_per_s"])
 
     predictions = {}
     for runner in runners:
@@ -223,7 +236,7 @@ def render(report: dict, console) -> None:
     by_category = Table(title="by category: tokens/s of none, and each method's speedup vs none")
     for column in ["category", "prompts", "none tok/s", *[n for n in methods if n != "none"]]:
         by_category.add_column(column, justify="left" if column == "category" else "right")
-    for group in ["overall", *categories]:
+    for group in _groups(config, methods):
         stats = {n: m["overall"] if group == "overall" else m["categories"][group] for n, m in methods.items()}
         by_category.add_row(group, str(stats["none"]["n_prompts"]), _fmt(stats["none"]["tokens_per_s"], ".1f"),
                             *[_fmt(s["speedup_vs_none"]) for n, s in stats.items() if n != "none"])

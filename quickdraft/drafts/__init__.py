@@ -5,10 +5,13 @@ PROPOSERS below; the API, the CLI (`--draft`) and the bench find it there."""
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
-from quickdraft.drafts.base import DraftContext, Proposal, Proposer
+from quickdraft.drafts.base import DraftContext, LoadedDraft, Proposal, Proposer
 from quickdraft.drafts.draft_model import DraftModelProposer
 from quickdraft.drafts.layer_skip import LayerSkipProposer
 from quickdraft.drafts.ngram import NgramProposer
@@ -21,6 +24,7 @@ PROPOSERS: dict[str, type[Proposer]] = {cls.name: cls for cls in (
     NoDraft, NgramProposer, DraftModelProposer, LayerSkipProposer, QuantizedSelfProposer, SuffixProposer)}
 METHODS = tuple(PROPOSERS)
 QUANTIZATIONS = ("int8",)
+ACCEPTANCES = ("exact", "relaxed")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 
 
@@ -33,7 +37,10 @@ class SpeculativeConfig:
     num_speculative_tokens: K, the draft length per step (the largest K when adaptive).
     adaptive: pick K per request and step from the measured acceptance and forward costs, down to plain
         decoding where speculation would lose (K=0). False: always propose num_speculative_tokens.
-    model: the draft model for draft_model (alias, .gguf, directory or hub id).
+    model: the draft model for draft_model (alias, .gguf, directory, hub id or a loaded model). A draft with
+        another tokenizer than the target's drafts over the two vocabularies' intersection (exact:
+        drafts/cross_vocab.py).
+    tokenizer: the draft model's tokenizer, when `model` is a model object (a loaded model has none of its own).
     num_layers: how many of the target's layers layer_skip keeps.
     quantization: weight-only quantization of the draft (int8); the default for `quantized`. The target is
         never quantized by this: the output stays exactly the target's.
@@ -41,6 +48,12 @@ class SpeculativeConfig:
     suffix_decoding_*: suffix (drafts/suffix.py): the suffix trees' depth (the longest context matched), the
         tokens of finished requests' text kept for later requests (least recently used evicted; 0: none), the
         draft length's cap per matched token, and the least probability a draft's continuation may have.
+    acceptance: "exact" (the default: rejection sampling, the output is the target's) or "relaxed", a LOSSY mode
+        that must be asked for by name: a draft token x is also accepted whenever p_target(x) >= threshold *
+        q_draft(x) (q one-hot for deterministic drafts; greedy requests compare p_target(x) with threshold times
+        the target's top probability). The output then no longer follows the target's law; every output's
+        metrics say `lossy`. threshold in (0, 1]: the lower, the more drafts pass and the further the output
+        strays from the target's (`quickdraft check` measures how far).
     """
 
     method: str | None = None
@@ -55,6 +68,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_tokens: int = 1 << 18
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    tokenizer: Any = None
+    acceptance: str = "exact"
+    threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -72,6 +88,17 @@ class SpeculativeConfig:
             raise QuickdraftError(f"unknown quantization {self.quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
         if self.quantization is not None and self.method in ("none", "ngram", "suffix"):
             raise QuickdraftError(f"quantization applies to model drafts; method {self.method!r} has no weights")
+        if self.acceptance not in ACCEPTANCES:
+            raise QuickdraftError(f"unknown acceptance {self.acceptance!r}; use 'exact' (lossless, the default) or "
+                                  "'relaxed' (lossy, with a threshold)")
+        if self.acceptance == "relaxed":
+            t = self.threshold
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0.0 < t <= 1.0):
+                raise QuickdraftError(f"acceptance 'relaxed' needs a threshold in (0, 1], got {t!r}")
+            self.threshold = float(t)
+        elif self.threshold is not None:
+            raise QuickdraftError("threshold applies to acceptance 'relaxed' only (a lossy mode); exact verification "
+                                  "has no threshold")
         if not isinstance(self.adaptive, bool):
             raise QuickdraftError(f"adaptive must be true or false, got {self.adaptive!r}")
         if self.method == "layer_skip" and not (isinstance(self.num_layers, int) and self.num_layers >= 1):
@@ -84,8 +111,10 @@ class SpeculativeConfig:
             return cls()
         if isinstance(config, SpeculativeConfig):
             return config
+        if isinstance(config, (str, os.PathLike)):
+            config = read_config(config)
         if not isinstance(config, dict):
-            raise QuickdraftError(f"speculative_config must be a dict, got {type(config).__name__}")
+            raise QuickdraftError(f"speculative_config must be a dict or a JSON file, got {type(config).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(config) - known)
         if unknown:
@@ -93,8 +122,48 @@ class SpeculativeConfig:
         return cls(**config)
 
     @property
+    def relaxed_threshold(self) -> float | None:
+        """The LOSSY relaxed test's threshold, or None for exact verification (the default)."""
+        return self.threshold if self.acceptance == "relaxed" and self.effective_k > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings that differ from the defaults, as JSON-able values (what `quickdraft tune` writes and
+        speculative_config=FILE reads back); a model object or tokenizer cannot be written."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value != f.default:
+                if not isinstance(value, (str, int, float, bool)):
+                    raise QuickdraftError(f"speculative_config[{f.name!r}] is a {type(value).__name__}, which cannot "
+                                          "be written as JSON; give a path or an alias")
+                out[f.name] = value
+        out["method"] = self.method
+        return out
+
+    @property
     def effective_k(self) -> int:
         return 0 if self.method == "none" else self.num_speculative_tokens
+
+
+def read_config(source: str | os.PathLike) -> dict[str, Any]:
+    """A speculative_config from a JSON file (what `quickdraft tune --out` writes), or from JSON text."""
+    text = str(source)
+    if not text.lstrip().startswith("{"):
+        if not Path(source).exists():
+            hint = f' (for that method pass {{"method": "{text}"}})' if text in METHODS else ""
+            raise QuickdraftError(f"speculative_config must be a dict or a JSON file; {text!r} is neither{hint}")
+        try:
+            text = Path(source).read_text()
+        except OSError as exc:
+            raise QuickdraftError(f"cannot read the speculative config file {str(source)!r}: {exc.strerror}; give a "
+                                  "JSON file (e.g. written by `quickdraft tune --out`) or a JSON object") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise QuickdraftError(f"the speculative config {str(source)[:80]!r} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise QuickdraftError(f"the speculative config must be a JSON object, got {type(config).__name__}")
+    return config
 
 
 def build_proposer(config: SpeculativeConfig, context: DraftContext) -> Proposer:
@@ -117,6 +186,6 @@ def parse_draft(draft: str, k: int) -> dict[str, Any]:
     return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
 
 
-__all__ = ["METHODS", "PROPOSERS", "SpeculativeConfig", "DraftContext", "Proposal", "Proposer", "NoDraft",
+__all__ = ["METHODS", "PROPOSERS", "SpeculativeConfig", "DraftContext", "LoadedDraft", "Proposal", "Proposer", "NoDraft",
            "NgramProposer", "DraftModelProposer", "LayerSkipProposer", "QuantizedSelfProposer", "SuffixProposer",
            "build_proposer", "parse_draft"]

@@ -15,12 +15,22 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class LoadedDraft:
+    runner: "Runner"
+    tokenizer: Any  # None for a model object given without one
+    name: str
+
+
+@dataclass
 class DraftContext:
-    """What building a draft may need of the LLM it drafts for: the target's runner, and a loader that turns
-    a draft model (alias, path, hub id or module) into a runner, its tokenizer checked against the target's."""
+    """What building a draft may need of the LLM it drafts for: the target's runner and tokenizer, and a loader
+    that turns a draft model (alias, path, hub id or module, with the tokenizer given for a module) into a
+    runner and its tokenizer."""
 
     target: "Runner"
-    load_draft_model: Callable[[Any], "Runner"]
+    load_draft_model: Callable[[Any, Any], LoadedDraft]
+    target_tokenizer: Any = None
+    target_name: str = "target"
 
 
 @dataclass
@@ -63,6 +73,17 @@ class Proposer(ABC):
     def draft_runner(self) -> "Runner | None":
         """The model that drafts, whose per-sequence caches (the states) hold KV memory; None for lookups."""
         return None
+
+    @property
+    def draft_reads_target_tokens(self) -> bool:
+        """Whether the draft runner's caches hold the target's token ids (positions align with the target's,
+        so prefix caching may share them); False for a draft with another tokenizer."""
+        return True
+
+    def draft_history(self, seq: "Sequence") -> list[int]:
+        """The token ids the draft runner's cache of `seq` is keyed by (the target's history unless the draft
+        has another tokenizer): what the KV budget reserves draft positions for."""
+        return seq.token_ids
 
     def new_state(self, seq: "Sequence") -> Any:
         return None

@@ -1,4 +1,5 @@
-"""`draft_model`: a smaller model sharing the target's tokenizer proposes K tokens autoregressively.
+"""`draft_model`: a smaller model proposes K tokens autoregressively (one with another tokenizer drafts over the
+vocabularies' intersection: drafts/cross_vocab.py).
 
 Each draft token is drawn from the draft's distribution processed exactly like the target's (same
 penalties with the same history, temperature, top-k/p, min-p); that processed q is what verification
@@ -12,7 +13,23 @@ import torch
 
 from quickdraft import sampling
 from quickdraft.drafts.base import Proposal, Proposer
+from quickdraft.errors import TokenizerMismatchError
 from quickdraft.models.runner import Runner
+
+
+def same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> bool:
+    """True when the draft reads and writes the target's token ids (the same vocabulary, or neither model has a
+    tokenizer: token-id models are taken to share ids); False when both have tokenizers that differ (the draft
+    then drafts over the intersection, drafts/cross_vocab.py). A draft whose tokenizer cannot be compared with
+    the target's (only one of them has one) is refused."""
+    if target_tokenizer is None and draft_tokenizer is None:
+        return True
+    if target_tokenizer is None or draft_tokenizer is None:
+        raise TokenizerMismatchError(
+            f"cannot tell whether draft '{draft_name}' shares the tokenizer of target '{target_name}': only one of "
+            "them has a tokenizer; pass the other's (LLM(tokenizer=...) or speculative_config['tokenizer']), or "
+            "use method ngram, suffix or layer_skip")
+    return target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
 
 
 class DraftModelProposer(Proposer):
@@ -33,14 +50,24 @@ class DraftModelProposer(Proposer):
 
     @classmethod
     def from_config(cls, config, context) -> "DraftModelProposer":
-        runner = context.load_draft_model(config.model)
-        if config.quantization:
-            runner = runner.quantized(config.quantization)
-        return cls(runner, context.target.vocab_size)
+        draft = context.load_draft_model(config.model, config.tokenizer)
+        runner = draft.runner.quantized(config.quantization) if config.quantization else draft.runner
+        if same_vocabulary(context.target_tokenizer, draft.tokenizer, context.target_name, draft.name):
+            return cls(runner, context.target.vocab_size)
+        # Another tokenizer: drafting over the vocabularies' intersection keeps verification exact.
+        from quickdraft.drafts.cross_vocab import CrossVocabDraftProposer, VocabMapping
+
+        mapping = VocabMapping(context.target_tokenizer, draft.tokenizer, context.target.vocab_size,
+                               draft.runner.vocab_size)
+        return CrossVocabDraftProposer(runner, context.target.vocab_size, mapping)
 
     def max_draft_tokens(self, seq) -> int:
         # Drafting k tokens feeds the history and k - 1 drafts through the draft model.
-        return self.runner.max_len - len(seq.token_ids) + 1
+        return self.runner.max_len - len(self.draft_history(seq)) + 1
+
+    def _to_draft_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Target token ids the draft proposed -> the draft's ids, to feed back (the same ids here)."""
+        return tokens
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         # Vocabularies that differ only by padding rows: drop the draft's extra rows, or give the target's
@@ -61,7 +88,7 @@ class DraftModelProposer(Proposer):
         active = [j for j, k in enumerate(ks) if k > 0]
         feeds, catch_ups, tokens, probs = {}, {}, {}, {}
         for j in active:
-            seq, cache, history = seqs[j], seqs[j].draft_state, seqs[j].token_ids
+            seq, cache, history = seqs[j], seqs[j].draft_state, self.draft_history(seqs[j])
             start = cache.sync(history)
             if start == len(history):  # everything is cached: recompute the last position for its logits
                 start -= 1
@@ -89,6 +116,6 @@ class DraftModelProposer(Proposer):
                 tokens[j][i] = token[0]
                 if probs[j] is not None:
                     probs[j][i] = processed[0]
-                feeds[j] = token.reshape(1).to(self.runner.device)
+                feeds[j] = self._to_draft_tokens(token.reshape(1)).to(self.runner.device)
         return [Proposal(tokens[j], probs[j], catch_ups[j]) if ks[j] > 0 else Proposal.empty(seqs[j].device)
                 for j in range(len(seqs))]

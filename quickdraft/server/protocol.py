@@ -130,6 +130,9 @@ class SpecDecodeStats(BaseModel):
     mean_acceptance_length: float | None
     tokens_per_target_forward: float | None
     accepted_per_position: list[int]
+    # True when the server verifies with the LOSSY relaxed acceptance its operator asked for: the text is then
+    # not distributed as the model's own.
+    lossy: bool = False
 
 
 def _created() -> int:

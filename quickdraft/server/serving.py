@@ -48,7 +48,7 @@ def spec_decode_stats(metrics: RequestMetrics) -> SpecDecodeStats:
                            accepted_tokens=metrics.accepted_tokens, acceptance_rate=metrics.acceptance_rate,
                            mean_acceptance_length=metrics.mean_acceptance_length,
                            tokens_per_target_forward=metrics.tokens_per_target_forward,
-                           accepted_per_position=list(metrics.accepted_per_position))
+                           accepted_per_position=list(metrics.accepted_per_position), lossy=metrics.lossy)
 
 
 def param_of(message: str) -> str | None:

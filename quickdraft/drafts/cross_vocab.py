@@ -1,0 +1,236 @@
+"""A draft model with another tokenizer than the target's, lossless: Token-Level Intersection (TLI; Timor et al.,
+"Accelerating LLM Inference with Lossless Speculative Decoding Algorithms for Heterogeneous Vocabularies",
+ICML 2025).
+
+Tokens are compared by the bytes they stand for (a byte-level BPE's "Ġthe", a SentencePiece "▁the" and a
+plain " the" are the same token). The draft proposes only tokens of the intersection of the two vocabularies:
+its logits are kept on the intersection, moved to the target's ids, and processed there like the target's
+(penalties with the target's history, temperature, top-k/p, min-p), so that the distribution q a token is
+drawn from is a distribution over the target's vocabulary, zero outside the intersection. Verification is the
+usual rejection sampling with that q (or greedy matching): the output follows the target's law exactly, as
+with a same-tokenizer draft. What differs is the draft's context: the target's committed tokens are
+translated into draft tokens one by one (an intersection token to its counterpart; any other token to the
+longest-match draft tokens of its bytes; special tokens to the draft's special token of the same text, or to
+nothing), incrementally, so a step costs the draft only the new tokens, as with a same-tokenizer draft.
+
+The draft's cache is keyed by those draft tokens, not by the target's: its positions do not align with the
+target's (prefix caching leaves it out; the KV budget reserves its own length).
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from typing import Any
+
+import torch
+
+from quickdraft.drafts.draft_model import DraftModelProposer
+from quickdraft.errors import QuickdraftError
+from quickdraft.models.runner import Runner
+
+_METASPACE = "\u2581"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map of the 256 bytes to printable characters (byte-level BPE vocabularies)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = printable[:], 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+_BYTE_LEVEL_DECODE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _decoder_kinds(tokenizer: Any) -> set[str]:
+    """What the tokenizer's decoder does to a piece: 'byte_level', 'metaspace', 'byte_fallback' (none: the piece
+    is its text)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return set()
+    kinds: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if not isinstance(node, dict):
+            return
+        kind = node.get("type")
+        if kind == "ByteLevel":
+            kinds.add("byte_level")
+        elif kind == "Metaspace" or (kind == "Replace" and node.get("pattern", {}).get("String") == _METASPACE):
+            kinds.add("metaspace")
+        elif kind == "ByteFallback":
+            kinds.add("byte_fallback")
+        for child in node.get("decoders") or ():
+            walk(child)
+
+    walk(json.loads(backend.to_str()).get("decoder"))
+    return kinds
+
+
+def token_bytes(tokenizer: Any) -> tuple[dict[int, bytes], set[int], dict[str, int]]:
+    """(regular token id -> the bytes it stands for, byte-fallback ids among them, special token text -> id).
+
+    Special tokens (control tokens such as <eos>, <|im_start|>) are left out of the byte table: they stand for
+    no text."""
+    kinds = _decoder_kinds(tokenizer)
+    special: dict[str, int] = {}
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    for token_id, token in added.items():
+        if getattr(token, "special", False) or token_id in special_ids:
+            special[str(token)] = token_id
+    special_ids |= set(special.values())
+    table: dict[int, bytes] = {}
+    fallback: set[int] = set()
+    for piece, token_id in tokenizer.get_vocab().items():
+        if token_id in special_ids:
+            continue
+        if token_id in added:  # a non-special added token is literal text
+            table[token_id] = str(added[token_id]).encode("utf-8")
+            continue
+        if "byte_fallback" in kinds and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            table[token_id] = bytes([int(piece[3:5], 16)])
+            fallback.add(token_id)
+        elif "byte_level" in kinds and all(c in _BYTE_LEVEL_DECODE for c in piece):
+            table[token_id] = bytes(_BYTE_LEVEL_DECODE[c] for c in piece)
+        elif "metaspace" in kinds:
+            table[token_id] = piece.replace(_METASPACE, " ").encode("utf-8")
+        else:
+            table[token_id] = piece.encode("utf-8")
+    return table, fallback, special
+
+
+def _by_bytes(table: dict[int, bytes], fallback: set[int], limit: int) -> dict[bytes, int]:
+    """One id per byte string (ids < limit, the model's rows): a regular piece before a byte-fallback token of
+    the same byte, then the lowest id."""
+    best: dict[bytes, tuple[bool, int]] = {}
+    for token_id, raw in table.items():
+        if token_id >= limit or not raw:
+            continue
+        key = (token_id in fallback, token_id)
+        if raw not in best or key < best[raw]:
+            best[raw] = key
+    return {raw: token_id for raw, (_, token_id) in best.items()}
+
+
+class VocabMapping:
+    """The two vocabularies' intersection and the translation of target tokens into draft tokens.
+
+    target_ids / draft_ids: [n] the intersection, target_ids[i] and draft_ids[i] standing for the same bytes.
+    target_to_draft: [V_target] the draft id of an intersection token, -1 elsewhere."""
+
+    def __init__(self, target_tokenizer: Any, draft_tokenizer: Any, target_vocab_size: int, draft_vocab_size: int):
+        target_table, target_fallback, target_special = token_bytes(target_tokenizer)
+        draft_table, draft_fallback, draft_special = token_bytes(draft_tokenizer)
+        target_by_bytes = _by_bytes(target_table, target_fallback, target_vocab_size)
+        self.draft_by_bytes = _by_bytes(draft_table, draft_fallback, draft_vocab_size)
+        common = sorted(set(target_by_bytes) & set(self.draft_by_bytes))
+        if not common:
+            raise QuickdraftError("the draft's and the target's vocabularies share no token; a draft with another "
+                                  "tokenizer drafts over their intersection, which is empty here")
+        self.target_ids = torch.tensor([target_by_bytes[raw] for raw in common], dtype=torch.long)
+        self.draft_ids = torch.tensor([self.draft_by_bytes[raw] for raw in common], dtype=torch.long)
+        self.target_vocab_size, self.draft_vocab_size = target_vocab_size, draft_vocab_size
+        self.target_to_draft = torch.full((target_vocab_size,), -1, dtype=torch.long)
+        self.target_to_draft[self.target_ids] = self.draft_ids
+        self._direct = dict(zip(self.target_ids.tolist(), self.draft_ids.tolist()))
+        self._target_table = target_table
+        self._special = {target_special[text]: draft_special[text] for text in target_special
+                         if text in draft_special and draft_special[text] < draft_vocab_size}
+        self._longest = max(map(len, self.draft_by_bytes))
+        self._translated: dict[int, tuple[int, ...]] = {}
+
+    @property
+    def size(self) -> int:
+        return int(self.target_ids.numel())
+
+    def _longest_match(self, raw: bytes) -> tuple[int, ...]:
+        """Draft tokens for a byte string, longest match first (bytes no draft token covers are skipped)."""
+        out, start = [], 0
+        while start < len(raw):
+            for end in range(min(len(raw), start + self._longest), start, -1):
+                token_id = self.draft_by_bytes.get(raw[start:end])
+                if token_id is not None:
+                    out.append(token_id)
+                    start = end
+                    break
+            else:
+                start += 1
+        return tuple(out)
+
+    def translate(self, target_token: int) -> tuple[int, ...]:
+        """The draft tokens one target token reads as."""
+        cached = self._translated.get(target_token)
+        if cached is None:
+            if target_token in self._direct:
+                cached = (self._direct[target_token],)
+            elif target_token in self._special:
+                cached = (self._special[target_token],)
+            else:
+                cached = self._longest_match(self._target_table.get(target_token, b""))
+            self._translated[target_token] = cached
+        return cached
+
+    def to_target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[R, V_draft] -> [R, V_target]: the intersection's logits at the target's ids, -inf elsewhere."""
+        out = torch.full((draft_logits.shape[0], self.target_vocab_size), float("-inf"), dtype=draft_logits.dtype,
+                         device=draft_logits.device)
+        if self.draft_ids.device != draft_logits.device:
+            self.draft_ids, self.target_ids = self.draft_ids.to(draft_logits.device), self.target_ids.to(draft_logits.device)
+        out[:, self.target_ids] = draft_logits[:, self.draft_ids]
+        return out
+
+
+class _Translation:
+    """One sequence's target history translated so far: the draft tokens of its first `covered` tokens."""
+
+    __slots__ = ("covered", "draft_ids", "__weakref__")
+
+    def __init__(self) -> None:
+        self.covered = 0
+        self.draft_ids: list[int] = []
+
+
+class CrossVocabDraftProposer(DraftModelProposer):
+    """`draft_model` with a draft of another tokenizer (see the module doc)."""
+
+    def __init__(self, runner: Runner, target_vocab_size: int, mapping: VocabMapping):
+        super().__init__(runner, target_vocab_size)
+        self.mapping = mapping
+        # Per sequence, its translated history; dropped with the sequence.
+        self._translations: "weakref.WeakKeyDictionary[Any, _Translation]" = weakref.WeakKeyDictionary()
+
+    @property
+    def draft_reads_target_tokens(self) -> bool:
+        return False
+
+    def draft_history(self, seq) -> list[int]:
+        history = seq.token_ids
+        state = self._translations.get(seq)
+        if state is None or state.covered > len(history):
+            state = self._translations[seq] = _Translation()
+        for token in history[state.covered:]:
+            state.draft_ids.extend(self.mapping.translate(token))
+        state.covered = len(history)
+        return state.draft_ids
+
+    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.mapping.to_target_logits(logits)
+
+    def _to_draft_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        table = self.mapping.target_to_draft
+        if table.device != tokens.device:
+            table = self.mapping.target_to_draft = table.to(tokens.device)
+        return table[tokens]
+
+    def max_draft_tokens(self, seq) -> int:
+        # A history that translates to no draft token at all (only special tokens the draft lacks) gives the
+        # draft nothing to read: no drafts until it does.
+        history = self.draft_history(seq)
+        return self.runner.max_len - len(history) + 1 if history else 0

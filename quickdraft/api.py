@@ -17,7 +17,7 @@ from quickdraft.drafts import DraftContext, LoadedDraft, Proposer, SpeculativeCo
 from quickdraft.engine import Engine, RequestMetrics
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import loader
-from quickdraft.models.runner import RUNNERS, Runner, make_runner
+from quickdraft.models.runner import RUNNERS, make_runner
 from quickdraft.params import SEED_MAX, SEED_MIN, SamplingParams
 from quickdraft.sampling import derive_key
 from quickdraft.scheduler import Request, Scheduler

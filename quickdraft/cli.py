@@ -1,4 +1,5 @@
-"""Command line: `quickdraft generate`, `quickdraft serve`, `quickdraft batch` (and `quickdraft bench`). A thin adapter
+"""Command line: `quickdraft generate`, `quickdraft serve`, `quickdraft batch`, `quickdraft check`, `quickdraft tune`
+(and `quickdraft bench`). A thin adapter
 over the Python API."""
 
 from __future__ import annotations
@@ -15,6 +16,27 @@ from quickdraft.errors import QuickdraftError
 
 if TYPE_CHECKING:
     from quickdraft.server.app import ServerConfig
+
+
+def add_speculative_config_argument(p) -> None:
+    p.add_argument("--speculative-config", default=None, metavar="FILE_OR_JSON",
+                   help="a speculative_config as a JSON file (e.g. written by `quickdraft tune --out`) or JSON text; "
+                        "replaces --draft, --k and --fixed-k")
+
+
+def speculative_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """The speculative_config the command line asks for: --speculative-config, else --draft, --k and --fixed-k;
+    checked before any model loads."""
+    from quickdraft.drafts import SpeculativeConfig, parse_draft, read_config
+
+    if getattr(args, "speculative_config", None):
+        spec = read_config(args.speculative_config)
+    else:
+        spec = parse_draft(args.draft, args.k)
+        if args.fixed_k and spec["method"] != "none":
+            spec["adaptive"] = False
+    SpeculativeConfig.from_dict(dict(spec))  # its errors now, not after loading the model
+    return spec
 
 
 def add_generate_parser(sub) -> None:
@@ -42,6 +64,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--runner", default="auto", choices=["auto", "native", "hf"],
                    help="auto: quickdraft's native decoder where the architecture has one, else transformers")
     p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
+    add_speculative_config_argument(p)
     p.add_argument("--compare", action="store_true",
                    help="also decode without speculation (same model, same parameters) and print both speeds and "
                         "whether the texts are identical")
@@ -54,6 +77,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--draft", default="ngram", help="ngram | suffix | layers:N | quantized | none | a draft MODEL (default: ngram)")
     p.add_argument("--k", type=int, default=5, help="largest speculative tokens per step (default 5)")
     p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
+    add_speculative_config_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
@@ -96,6 +120,7 @@ def add_batch_parser(sub) -> None:
                    help="ngram | layers:N | quantized | none | a draft MODEL (default: ngram)")
     p.add_argument("--k", type=int, default=5, help="largest speculative tokens per step (default 5)")
     p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
+    add_speculative_config_argument(p)
     p.add_argument("--max-tokens", type=int, default=256, help="for records that set no max_tokens (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="for records that set none (default 0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="for records that set none")
@@ -143,7 +168,6 @@ def parse_memory(text: str | None) -> int | float | None:
 
 def serve_settings(args: argparse.Namespace) -> tuple[dict[str, Any], ServerConfig]:
     """(LLM keyword arguments, ServerConfig) for `quickdraft serve`; checks what it can before any loading."""
-    from quickdraft.drafts import SpeculativeConfig, parse_draft
     from quickdraft.models.loader import DEFAULT_MODEL
     from quickdraft.server.app import ServerConfig
 
@@ -153,10 +177,7 @@ def serve_settings(args: argparse.Namespace) -> tuple[dict[str, Any], ServerConf
         raise QuickdraftError(f"--max-queue must be >= 1, got {args.max_queue}")
     if not args.grace_period >= 0:
         raise QuickdraftError(f"--grace-period must be >= 0 seconds, got {args.grace_period}")
-    spec = parse_draft(args.draft, args.k)
-    if args.fixed_k and spec["method"] != "none":
-        spec["adaptive"] = False
-    SpeculativeConfig.from_dict(spec)  # its errors now, not after loading the model
+    spec = speculative_spec(args)
     model = args.model or DEFAULT_MODEL
     llm_kwargs = dict(model=model, speculative_config=spec, dtype=args.dtype, device=args.device,
                       trust_remote_code=args.trust_remote_code, runner=args.runner, max_num_seqs=args.max_num_seqs,
@@ -212,7 +233,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def batch_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """(LLM keyword arguments, the sampling defaults of records) for `quickdraft batch`, checked before loading."""
-    from quickdraft.drafts import SpeculativeConfig, parse_draft
     from quickdraft.models.loader import DEFAULT_MODEL
     from quickdraft.params import SamplingParams
 
@@ -223,10 +243,7 @@ def batch_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
         raise QuickdraftError(f"--replicas must be >= 1, got {args.replicas}")
     if args.batch_size is not None and args.batch_size < 1:
         raise QuickdraftError(f"--batch-size must be >= 1, got {args.batch_size}")
-    spec = parse_draft(args.draft, args.k)
-    if args.fixed_k and spec["method"] != "none":
-        spec["adaptive"] = False
-    SpeculativeConfig.from_dict(spec)
+    spec = speculative_spec(args)
     llm_kwargs = dict(model=args.model or DEFAULT_MODEL, speculative_config=spec, dtype=args.dtype, device=args.device,
                       trust_remote_code=args.trust_remote_code, runner=args.runner, max_num_seqs=args.max_num_seqs,
                       kv_cache_memory=parse_memory(args.kv_cache_memory), max_model_len=args.max_model_len)
@@ -266,12 +283,13 @@ def summary_line(metrics, method: str, k: int) -> str:
     elif method != "none":
         parts.append("no drafts proposed")
     parts.append(f"{metrics.target_forwards} target forwards ({metrics.tokens_per_target_forward or 0:.2f} tokens each)")
+    if metrics.lossy:
+        parts.append("LOSSY: relaxed acceptance, the output does not follow the target's distribution")
     return "[quickdraft] " + " | ".join(parts)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from quickdraft import LLM, SamplingParams
-    from quickdraft.drafts import parse_draft
     from quickdraft.models.loader import DEFAULT_MODEL, quiet_transformers
 
     params = SamplingParams(
@@ -281,9 +299,7 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     if not args.prompt.strip():
         raise QuickdraftError("the prompt is empty; give some text to continue")
-    spec = parse_draft(args.draft, args.k)
-    if args.fixed_k and spec["method"] != "none":
-        spec["adaptive"] = False
+    spec = speculative_spec(args)
     quiet_transformers()
     llm = LLM(args.model or DEFAULT_MODEL, speculative_config=spec, dtype=args.dtype, device=args.device,
               trust_remote_code=args.trust_remote_code, runner=args.runner)
@@ -341,6 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_serve_parser(sub)
     add_batch_parser(sub)
+    from quickdraft.tools import check, tune
+
+    check.add_parser(sub)
+    tune.add_parser(sub)
     try:
         from quickdraft.bench.cli import add_bench_parser
     except ImportError:

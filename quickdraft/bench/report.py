@@ -215,7 +215,6 @@ def render(report: dict, console) -> None:
     from rich.table import Table
 
     config, methods = report["config"], report["methods"]
-    categories = config["categories"]
     sweep = len(config["k"]) > 1
     table = Table(title=f"quickdraft bench: {config['model']}, {config['n_prompts']} prompts, "
                         f"max {config['max_new_tokens']} new tokens, temperature {config['temperature']}")

@@ -24,6 +24,22 @@ DECAY = 0.9
 PRIOR_COST_SLOPE = 0.05
 
 
+def monotone_fit(values: list[float], weights: list[float] | None = None) -> list[float]:
+    """The non-decreasing sequence closest to `values` in weighted least squares (pool-adjacent-violators):
+    a run that falls is replaced by its weighted mean. Costs measured by size: more rows never cost less."""
+    weights = weights or [1.0] * len(values)
+    blocks: list[list[float]] = []  # [value, weight, number of points] per pooled run
+    for value, weight in zip(values, weights):
+        blocks.append([value, float(weight), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            value, weight, count = blocks.pop()
+            last = blocks[-1]
+            last[0] = (last[0] * last[1] + value * weight) / (last[1] + weight)
+            last[1] += weight
+            last[2] += count
+    return [value for value, _, count in blocks for _ in range(int(count))]
+
+
 class _Curve:
     """A cost measured at integer points (rows in a step, drafts in a step): at each point the median of its
     last `window` samples, made non-decreasing in x (pool-adjacent-violators over the medians, weighted by
@@ -57,17 +73,10 @@ class _Curve:
 
     def _fitted(self) -> list[tuple[int, float]]:
         if self._fit is None:
-            blocks: list[list[float]] = []  # [value, weight, number of points] per pooled run
-            for _, samples in sorted(self._samples.items()):
-                blocks.append([statistics.median(samples), float(len(samples)), 1])
-                while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-                    value, weight, count = blocks.pop()
-                    last = blocks[-1]
-                    last[0] = (last[0] * last[1] + value * weight) / (last[1] + weight)
-                    last[1] += weight
-                    last[2] += count
-            values = [value for value, _, count in blocks for _ in range(count)]
-            self._fit = list(zip(sorted(self._samples), values))
+            points = sorted(self._samples.items())
+            values = monotone_fit([statistics.median(samples) for _, samples in points],
+                                  [float(len(samples)) for _, samples in points])
+            self._fit = list(zip([x for x, _ in points], values))
         return self._fit
 
     def estimate(self, x: int, prior_slope: float) -> float | None:

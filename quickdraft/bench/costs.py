@@ -126,7 +126,10 @@ def runner_costs(runners: dict[str, object], context_ids: Sequence[int], k: int,
     its weight bytes impose at the measured bandwidth (a forward cannot read its weights faster)."""
     out = {}
     for name, runner in runners.items():
-        forward = measure_target_forward(runner, context_ids, [1, k + 1], repeats)
+        # Which tokens a forward reads does not change its time: a draft with another vocabulary reads the
+        # context's ids folded into its own.
+        ids = [t % runner.vocab_size for t in context_ids]
+        forward = measure_target_forward(runner, ids, [1, k + 1], repeats)
         size = weight_bytes(runner)
         floor = size / bandwidth
         out[name] = {"weight_MB": size / 1e6, "floor_ms": 1e3 * floor, "forward_1_ms": 1e3 * forward[1],

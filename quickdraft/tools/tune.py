@@ -41,7 +41,6 @@ earlier requests' text, and must not find in its cache the very answer another c
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import statistics
@@ -54,6 +53,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from quickdraft.adaptive import monotone_fit
 from quickdraft.bench.costs import measure_target_forward
 from quickdraft.drafts import SpeculativeConfig, parse_draft
 from quickdraft.engine import Engine
@@ -226,20 +226,12 @@ def expected_drafts_per_step(length_distribution: Sequence[float], k: int) -> fl
 
 
 def fit_forward_costs(forward_s: dict[int, float]) -> dict[int, float]:
-    """The measured forward seconds by rows, replaced by the line a + b x rows through them (b >= 0) that
-    Theil and Sen's estimator fits: b is the median of the slopes between every two sizes, a the median of
-    t(n) - b n. Why: on a shared machine one size's median can land in a burst of someone else's work (seen:
-    2 rows timed at half of 1 row), and the predicted best K then follows the noise; the pairwise medians
-    ignore up to about a quarter of the sizes being off, and more rows never cost less. Over 1 .. k_max + 1
-    rows a forward's cost is close to affine (memory-bound: nearly flat; compute-bound: proportional)."""
+    """The measured forward seconds by rows (each the median of rounds spread over the run: ForwardTimes),
+    made non-decreasing (adaptive.monotone_fit: more rows never cost less). Not a straight line: on CPUs the
+    cost by rows has steps where the kernels' tiles fill (measured on an AVX512 machine without AMX: 17.4 ms at
+    6 rows, 20.7 at 7), and a line through them misplaces the best K."""
     sizes = sorted(forward_s)
-    if len(sizes) < 2:
-        return dict(forward_s)
-    slopes = [(forward_s[m] - forward_s[n]) / (m - n) for n, m in itertools.combinations(sizes, 2)]
-    slope = max(0.0, statistics.median(slopes))
-    intercept = statistics.median(forward_s[n] - slope * n for n in sizes)
-    # Positive, as predictions divide by it (only a fit through nonsense, e.g. zeros, would reach the clamp).
-    return {n: max(1e-9, intercept + slope * n) for n in sizes}
+    return {n: max(1e-9, v) for n, v in zip(sizes, monotone_fit([forward_s[n] for n in sizes]))}
 
 
 def forward_seconds(forward_s: dict[int, float], rows: float) -> float:
@@ -272,9 +264,15 @@ def predict(rates: Sequence[float | None], length_distribution: Sequence[float],
     return Prediction(k, tokens, seconds, tokens * forward_seconds(forward_s, 1) / seconds)
 
 
+# Predictions closer than this are a tie: the analytic model is not that precise.
+PREDICTION_TIE = 0.01
+
+
 def best_prediction(predictions: Sequence[Prediction]) -> Prediction:
-    """The K with the highest predicted speedup (the smaller K on a tie: fewer wasted draft tokens)."""
-    return max(predictions, key=lambda p: (p.speedup, -p.k))
+    """The smallest K whose predicted speedup is within PREDICTION_TIE of the highest (fewer drafts waste
+    less when the model's small differences are wrong)."""
+    best = max(p.speedup for p in predictions)
+    return min((p for p in predictions if p.speedup >= best * (1 - PREDICTION_TIE)), key=lambda p: p.k)
 
 
 @dataclass
@@ -462,6 +460,7 @@ class ForwardTimes:
         """One round (of `repeats` timings per size: measure_target_forward's medians) of every runner."""
         for name, (runner, sizes) in self.runners.items():
             context = self.context_ids[:max(1, min(len(self.context_ids), runner.max_len - max(sizes) - 1))]
+            context = [t % runner.vocab_size for t in context]  # a draft of another vocabulary: same cost
             for n, seconds in measure_target_forward(runner, context, sizes, repeats).items():
                 self.samples[name][n].append(seconds)
 
@@ -564,10 +563,11 @@ class _Session:
 class Measurement:
     """A configuration's decode speed in the measured pass, and its ratio to plain decoding in that pass.
 
-    speedup is the median over prompts of each prompt's ratio to plain decoding (the two ran within seconds of
-    each other): what decisions use, as one generation caught in a burst of another process's work moves it
-    little, while it can move the pooled ratio (total tokens over total seconds, each side) several times over
-    on a shared machine (seen: 6.6x pooled against 1.3x by prompt)."""
+    Decisions use the pooled ratio (total tokens over total seconds, each side: what a user's workload gets, and
+    what --sweep compares), unless it and the median over prompts of each prompt's ratio disagree by more than
+    NOISE_RATIO: a generation caught in a burst of another process's work can move the pooled ratio several
+    times over on a shared machine (seen: 6.6x pooled against 1.3x by prompt), the median little. (On a quiet
+    machine the median of 12 prompts' ratios flipped the ranking of two drafts 2% apart from run to run.)"""
 
     label: str
     tokens: int
@@ -575,6 +575,15 @@ class Measurement:
     tokens_per_s: float | None  # pooled
     speedup: float | None  # the median of the per-prompt ratios
     pooled_speedup: float | None  # pooled tokens/s over plain decoding's pooled tokens/s
+
+    @property
+    def noisy(self) -> bool:
+        return bool(self.speedup and self.pooled_speedup
+                    and not 1 / NOISE_RATIO < self.pooled_speedup / self.speedup < NOISE_RATIO)
+
+    @property
+    def decision_speedup(self) -> float | None:
+        return self.speedup if self.noisy or self.pooled_speedup is None else self.pooled_speedup
 
 
 @dataclass
@@ -602,8 +611,9 @@ class DraftResult:
     @property
     def mode(self) -> str:
         """fixed or adaptive, whichever measured faster."""
-        fixed = self.fixed.speedup if self.fixed and self.fixed.speedup is not None else -1.0
-        adaptive = self.adaptive.speedup if self.adaptive and self.adaptive.speedup is not None else -1.0
+        fixed = self.fixed.decision_speedup if self.fixed and self.fixed.decision_speedup is not None else -1.0
+        adaptive = self.adaptive.decision_speedup if self.adaptive and self.adaptive.decision_speedup is not None \
+            else -1.0
         return "adaptive" if adaptive > fixed else "fixed"
 
     @property
@@ -613,7 +623,7 @@ class DraftResult:
 
     @property
     def measured_speedup(self) -> float | None:
-        return self.measured.speedup if self.measured else None
+        return self.measured.decision_speedup if self.measured else None
 
     @property
     def config(self) -> dict[str, Any]:
@@ -718,14 +728,13 @@ class TuneReport:
                              for rows, seconds in sorted(self.forward_s.items()))
         lines.append(f"target forward at {self.context_tokens} tokens of context (ms; the median of rounds spread "
                      f"over the run): {measured}")
-        fit = sorted(self.forward_fit_s.items())
-        slope = (fit[-1][1] - fit[0][1]) / (fit[-1][0] - fit[0][0]) if len(fit) > 1 else 0.0
-        lines.append(f"  fitted (what predictions use): {1e3 * fit[0][1]:.2f} at 1 row + {1e3 * slope:.2f} per "
-                     "further row")
+        if self.forward_fit_s != self.forward_s:
+            fitted = "  ".join(f"{1e3 * seconds:.2f}" for _, seconds in sorted(self.forward_fit_s.items()))
+            lines.append(f"  made non-decreasing (what predictions use): {fitted}")
         lines.append(f"plain decoding: {_num(self.plain.tokens_per_s, '.1f')} tok/s")
         lines.append("")
         headers = ["rank", "draft", "best K", "mode", "acceptance by position", "f", "mean len", "KL", "TV",
-                   "predicted", "fixed K", "adaptive", "measured", "pooled"]
+                   "predicted", "fixed K", "adaptive", "measured", "median"]
         body = []
         for rank, result in enumerate(self.drafts, 1):
             profile = result.profile
@@ -734,17 +743,17 @@ class TuneReport:
                          _num(profile.draft_fraction, ".2f"), _num(profile.mean_draft_length, ".2f"),
                          _num(result.kl, ".3g", "n/a"), _num(result.tv, ".3f", "n/a"),
                          _num(result.predicted_speedup, ".2f") + "x",
-                         _num(result.fixed.speedup if result.fixed else None, ".2f") + "x",
-                         _num(result.adaptive.speedup if result.adaptive else None, ".2f") + "x",
+                         _num(result.fixed.decision_speedup if result.fixed else None, ".2f") + "x",
+                         _num(result.adaptive.decision_speedup if result.adaptive else None, ".2f") + "x",
                          _num(result.measured_speedup, ".2f") + "x",
-                         _num(result.measured.pooled_speedup if result.measured else None, ".2f") + "x"])
+                         _num(result.measured.speedup if result.measured else None, ".2f") + "x"])
         lines.append(_table(headers, body, left=2))
         lines.append("acceptance: P(draft position i accepted | reached), at fixed K = k_max; f: steps with a "
                      "proposal; KL(target||draft), TV: mean over the target's greedy continuations; predicted: "
                      "the analytic model at the best K; fixed K / adaptive (K <= best K): measured decode speed over "
-                     "plain decoding, interleaved on the same prompts, the median of the prompts' ratios; measured: "
-                     "the faster mode's; pooled: its total tokens/s over plain decoding's (far from the median: a "
-                     "noisy machine)")
+                     "plain decoding, interleaved on the same prompts, total tokens/s over plain decoding's (the "
+                     "median of the prompts' ratios where the two disagree by more than 1.5x: a noisy machine); "
+                     "measured: the faster mode's; median: the median of its prompts' ratios")
         lines.append("")
         lines.append("predicted speedup by K (* best):")
         headers = ["draft"] + [f"K={k}" for k in range(1, self.k_max + 1)]
@@ -886,8 +895,7 @@ def tune(llm, prompts: Sequence[Any], drafts: str | Sequence[Any] = DEFAULT_DRAF
     if ended:
         notes.append(f"{ended} of {len(plain.metrics)} prompts ended at their first token (EOS) and measure nothing"
                      + ("" if chat else "; a chat model may want its chat template: --chat (chat=True)"))
-    disagreeing = [r for r in results if r.measured and r.measured.speedup and r.measured.pooled_speedup
-                   and not 1 / NOISE_RATIO < r.measured.pooled_speedup / r.measured.speedup < NOISE_RATIO]
+    disagreeing = [r for r in results if r.measured and r.measured.noisy]
     if disagreeing:
         worst = disagreeing[0]
         notes.append(f"the measured speedups are noisy ({worst.label}: {worst.measured.speedup:.2f}x by the median "

@@ -137,14 +137,13 @@ def test_step_seconds_and_prediction_hand_computed():
 def test_fit_forward_costs():
     line = {n: 10.0 + 2.0 * n for n in range(1, 8)}
     assert tune.fit_forward_costs(line) == pytest.approx(line)
-    # One size timed in a burst (2 rows at half of 1 row, as seen on a shared machine) does not move the line.
-    noisy = {**line, 2: 6.0}
-    assert tune.fit_forward_costs(noisy) == pytest.approx(line)
-    noisy = {**line, 1: 30.0, 5: 40.0}  # two of seven off
-    assert tune.fit_forward_costs(noisy) == pytest.approx(line)
-    # More rows never cost less: a falling trend fits flat.
-    falling = {1: 5.0, 2: 4.0, 3: 3.0}
-    assert tune.fit_forward_costs(falling) == pytest.approx({1: 4.0, 2: 4.0, 3: 4.0})
+    # A step where the kernels' tiles fill is kept (a line through it would misplace the best K).
+    step = {1: 12.9, 2: 14.2, 3: 15.5, 4: 15.6, 5: 16.5, 6: 17.4, 7: 20.7}
+    assert tune.fit_forward_costs(step) == pytest.approx(step)
+    # More rows never cost less: a falling run is pooled to its mean.
+    assert tune.fit_forward_costs({1: 5.0, 2: 4.0, 3: 3.0}) == pytest.approx({1: 4.0, 2: 4.0, 3: 4.0})
+    assert tune.fit_forward_costs({1: 10.0, 2: 14.0, 3: 12.0, 4: 15.0}) == \
+        pytest.approx({1: 10.0, 2: 13.0, 3: 13.0, 4: 15.0})
     assert tune.fit_forward_costs({1: 7.0}) == {1: 7.0}
 
 
@@ -152,6 +151,11 @@ def test_best_prediction_prefers_the_smaller_k_on_a_tie():
     predictions = [tune.Prediction(1, 1.5, 1.0, 1.2), tune.Prediction(2, 2.0, 1.0, 1.4),
                    tune.Prediction(3, 2.1, 1.0, 1.4)]
     assert tune.best_prediction(predictions).k == 2
+    # Within 1% of the best is a tie too; beyond, the better K wins.
+    near = [tune.Prediction(4, 2.0, 1.0, 1.270), tune.Prediction(6, 2.2, 1.0, 1.280)]
+    assert tune.best_prediction(near).k == 4
+    far = [tune.Prediction(4, 2.0, 1.0, 1.20), tune.Prediction(6, 2.2, 1.0, 1.28)]
+    assert tune.best_prediction(far).k == 6
 
 
 def test_profile_from_metrics():
@@ -219,6 +223,13 @@ def test_measured_speedup_is_the_median_of_the_prompts_ratios():
     assert measurement.speedup == pytest.approx(2.0)  # median of 2.0, 1.25, 20.0
     assert measurement.pooled_speedup == pytest.approx((30 / 1.8) / (30 / 12.0))
     assert measurement.tokens == 30 and measurement.seconds == pytest.approx(1.8)
+    # Pooled 6.7x against 2.0x by the median prompt: noisy, so decisions take the median.
+    assert measurement.noisy and measurement.decision_speedup == pytest.approx(2.0)
+    # A quiet pass: decisions take the pooled ratio (what the workload gets, and what --sweep compares).
+    quiet = tune._measurement(totals("d", [(10, 0.5), (10, 0.8), (10, 0.8)]),
+                              totals("none", [(10, 1.0), (10, 1.0), (10, 1.0)]))
+    assert not quiet.noisy and quiet.decision_speedup == pytest.approx(3.0 / 2.1)
+    assert quiet.speedup == pytest.approx(1.25)
 
 
 def test_forward_times_are_sampled_in_rounds():

@@ -75,7 +75,10 @@ def test_bench_smoke(tiny_dataset, tmp_path):
                 assert key in stats, (name, key)
             assert stats["tokens_per_s"] > 0 and stats["speedup_vs_hf"] > 0
             assert stats["speedup_vs_llamacpp"] is None  # llama.cpp did not run
-        assert set(m["categories"]) == set(CATEGORIES)
+        # The categories, and the later turns of the multi-turn records as their own group (one record here).
+        assert set(m["categories"]) == {*CATEGORIES, "second turns"}
+        assert m["categories"]["second turns"]["n_prompts"] == 1 and m["categories"]["second turns"]["n_turns"] == 1
+        assert m["categories"]["second turns"]["generated_tokens"] == 10
         assert m["overall"]["n_prompts"] == 4 and m["categories"]["writing"]["n_prompts"] == 2
         assert m["overall"]["n_turns"] == 5 and len(m["prompts"]) == 4
         # No EOS in the tiny model: every turn generates max_new_tokens, both turns of the multi-turn record count.

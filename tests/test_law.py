@@ -40,6 +40,7 @@ from conftest import tiny_llama
 from quickdraft import LLM, SamplingParams
 from quickdraft.drafts.ngram import find_continuation
 from quickdraft.sampling import PenaltyHistory, process
+from quickdraft.sequence import RequestMetrics
 
 VOCAB = 4
 T = 5  # tokens per sample: the prompt's step gives 1, then a step with k = min(K, T - 2) = 3 drafts
@@ -269,8 +270,8 @@ def assert_follows_law(test: "_LawTest", samples, metrics, steps, n: int, label:
     of probability zero, and every chi-square statistic at p > LEVEL. Returns (proposed, accepted) per
     position."""
     assert len(samples) == n and all(len(s) == T for s in samples)
-    proposed = _sum_lists(metrics, "proposed_per_position")
-    accepted = _sum_lists(metrics, "accepted_per_position")
+    pooled = RequestMetrics.combine(metrics)  # per-position counts summed over the sequences
+    proposed, accepted = pooled.proposed_per_position, pooled.accepted_per_position
     assert len(proposed) == K and proposed[2] > 0 and accepted[2] > 0, (proposed, accepted)
     counts = np.bincount([INDEX[s] for s in samples], minlength=len(CELLS))
     assert not test.impossible(counts), f"sampled sequences of probability zero: {test.impossible(counts)}"
@@ -278,16 +279,6 @@ def assert_follows_law(test: "_LawTest", samples, metrics, steps, n: int, label:
     print(f"\n{label}: min p {min(pvalues.values()):.3g}, steps {steps}, proposed {proposed}, accepted {accepted}")
     assert min(pvalues.values()) > LEVEL, (pvalues, steps, proposed, accepted)
     return proposed, accepted
-
-
-def _sum_lists(metrics, name: str) -> list[int]:
-    total: list[int] = []
-    for m in metrics:
-        values = getattr(m, name)
-        total.extend([0] * (len(values) - len(total)))
-        for i, v in enumerate(values):
-            total[i] += v
-    return total
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -312,7 +303,7 @@ def test_five_speculative_tokens_follow_the_target_law(seeding, method, setting)
         assert len(set(samples)) >= 50  # the n completions are distinct draws, not one draw repeated
 
     proposed, accepted = assert_follows_law(test, samples, metrics, steps, N[method], f"{seeding} {method} {setting}")
-    reached = _sum_lists(metrics, "reached_per_position")  # rejected at position i: reached there, not accepted
+    reached = RequestMetrics.combine(metrics).reached_per_position  # rejected at position i: reached there, not accepted
     assert reached[1] > accepted[1] and reached[2] > accepted[2], (reached, accepted)
 
 

@@ -706,23 +706,16 @@ def _test(path: str, drawn: list[list[tuple[int, ...]]], metrics: list, laws: li
         dfs[name] = df
     impossible = [(index, tokens) for index, (tree, prompt_samples) in enumerate(zip(laws, drawn)) if tree is not None
                   for tokens in sorted(set(prompt_samples)) if tree.impossible(tokens)]
+    from quickdraft.sequence import RequestMetrics
+
+    drafts = RequestMetrics.combine(metrics)  # per-position counts summed over the sampled sequences
     return StatResult(path=path, samples=sum(per_prompt), sample_tokens=sample_tokens, pvalues=pvalues,
                       degrees_of_freedom=dfs, level=level,
                       exact_prompts=[i for i, t in enumerate(laws) if t is not None],
                       fallback_prompts=[i for i, t in enumerate(laws) if t is None], tree_forwards=forwards,
                       tv_distance=tv, tv_noise=noise, impossible=impossible,
-                      proposed_per_position=_sum_lists(metrics, "proposed_per_position"),
-                      accepted_per_position=_sum_lists(metrics, "accepted_per_position"))
-
-
-def _sum_lists(metrics: list, name: str) -> list[int]:
-    total: list[int] = []
-    for m in metrics:
-        values = getattr(m, name)
-        total.extend([0] * (len(values) - len(total)))
-        for i, v in enumerate(values):
-            total[i] += v
-    return total
+                      proposed_per_position=list(drafts.proposed_per_position),
+                      accepted_per_position=list(drafts.accepted_per_position))
 
 
 # --- the command line -----------------------------------------------------------------------------------

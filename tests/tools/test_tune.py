@@ -432,20 +432,11 @@ def test_bad_tune_input():
 
 # --- the command line --------------------------------------------------------------------------------------------
 
-WORDS = ["<unk>", "<s>", "</s>", "<user>", "<assistant>"] + [f"w{i}" for i in range(59)]  # 64 tokens
-
-
 def _save_tiny_model(directory) -> None:
     """A tiny Llama with a word-level tokenizer and a chat template, saved as a transformers model directory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from test_bench import WORDS, tiny_tokenizer
 
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>")
-    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
-                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tokenizer = tiny_tokenizer()
     tiny_llama(seed=0, vocab_size=len(WORDS), layers=2).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
 

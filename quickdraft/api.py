@@ -135,6 +135,9 @@ class LLM:
             self.dtype = next(model.parameters()).dtype  # a model object keeps its dtype unless told otherwise
         else:
             self.dtype = loader.resolve_dtype(dtype, self.device)
+        # dtype "auto" keeps a GGUF model's stored precision (its quantized blocks) where the CPU kernels run;
+        # a named dtype widens every weight to it.
+        self.keep_quantized = isinstance(dtype, str) and dtype == "auto"
         self.runner_kind = runner
         self.trust_remote_code = trust_remote_code
         if isinstance(speculative_config, (str, os.PathLike)):
@@ -155,8 +158,8 @@ class LLM:
                 config["num_speculative_tokens"] = num_speculative_tokens
         self.speculative_config = SpeculativeConfig.from_dict(config)
 
-        self.model_name, target_model, self.tokenizer, self.source = self._load(model, tokenizer)
-        self.target = make_runner(target_model, self.model_name, runner)
+        self.model_name, target_model, self.tokenizer, self.source, quantized = self._load(model, tokenizer)
+        self.target = make_runner(target_model, self.model_name, runner, quantized)
         self.proposer = self._build_proposer(self.speculative_config)
         eos = self._eos_token_ids(target_model)
         self.engine = Engine(self.target, self.proposer, self.speculative_config.effective_k, eos, max_model_len,
@@ -196,20 +199,24 @@ class LLM:
 
     # --- construction -------------------------------------------------------------------------------------
     def _load(self, model: str | nn.Module, tokenizer: Any):
-        """(name, model, tokenizer, source); source is None for a model object passed in."""
+        """(name, model, tokenizer, source, quantized weights); source is None for a model object passed in,
+        the quantized weights (a GGUF file's own blocks) None unless kept (see keep_quantized)."""
         if isinstance(model, nn.Module):
-            return type(model).__name__, model.to(device=self.device, dtype=self.dtype).eval(), tokenizer, None
+            return type(model).__name__, model.to(device=self.device, dtype=self.dtype).eval(), tokenizer, None, None
         source = loader.resolve(model)
         loaded, loaded_tokenizer = loader.load(source, self.dtype, self.device, self.trust_remote_code)
-        return model, loaded, tokenizer if tokenizer is not None else loaded_tokenizer, source
+        quantized = loader.quantized_weights(source, loaded, self.dtype, self.device) \
+            if self.keep_quantized and self.runner_kind != "hf" else None
+        return model, loaded, tokenizer if tokenizer is not None else loaded_tokenizer, source, quantized
 
     def _build_proposer(self, config: SpeculativeConfig) -> Proposer:
         return build_proposer(config, DraftContext(self.target, self._load_draft, self.tokenizer, self.model_name))
 
     def _load_draft(self, model: str | nn.Module, tokenizer: Any = None) -> LoadedDraft:
         """A draft model's runner and tokenizer (the draft proposer compares it with the target's)."""
-        draft_name, draft_model, draft_tokenizer, _ = self._load(model, tokenizer)
-        return LoadedDraft(make_runner(draft_model, draft_name, self.runner_kind), draft_tokenizer, draft_name)
+        draft_name, draft_model, draft_tokenizer, _, quantized = self._load(model, tokenizer)
+        return LoadedDraft(make_runner(draft_model, draft_name, self.runner_kind, quantized), draft_tokenizer,
+                           draft_name)
 
     @staticmethod
     def _eos_token_ids(model: nn.Module) -> set[int]:

@@ -43,7 +43,7 @@ def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text with speculative decoding")
     p.add_argument("prompt", help="the prompt (a user message with --chat)")
     p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
-    p.add_argument("--draft", default="ngram", help="ngram | suffix | layers:N | quantized (the target in int8) | none | a draft MODEL "
+    p.add_argument("--draft", default="ngram", help="ngram | suffix | layers:N | quantized[:int8|q4] (the target in int8 or 4 bits) | none | a draft MODEL "
                    "(default: ngram)")
     p.add_argument("--k", type=int, default=5, help="speculative tokens per step (default 5)")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -58,7 +58,9 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and metrics")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: a GGUF model keeps its quantized weights on CPUs with AVX512-BF16 (bf16 activations); "
+                        "bf16 elsewhere on CPU and CUDA. A named dtype widens every weight to it")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--runner", default="auto", choices=["auto", "native", "hf"],
@@ -74,7 +76,7 @@ def add_generate_parser(sub) -> None:
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)")
     p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
-    p.add_argument("--draft", default="ngram", help="ngram | suffix | layers:N | quantized | none | a draft MODEL (default: ngram)")
+    p.add_argument("--draft", default="ngram", help="ngram | suffix | layers:N | quantized[:int8|q4] | none | a draft MODEL (default: ngram)")
     p.add_argument("--k", type=int, default=5, help="largest speculative tokens per step (default 5)")
     p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
     add_speculative_config_argument(p)
@@ -92,7 +94,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--grace-period", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish (default 30)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: a GGUF model keeps its quantized weights on CPUs with AVX512-BF16 (bf16 activations); "
+                        "bf16 elsewhere on CPU and CUDA. A named dtype widens every weight to it")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--runner", default="auto", choices=["auto", "native", "hf"])
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run")
@@ -117,7 +121,7 @@ def add_batch_parser(sub) -> None:
     p.add_argument("--output", required=True, help="JSONL: one result per record, in input order")
     p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
     p.add_argument("--draft", default="ngram",
-                   help="ngram | layers:N | quantized | none | a draft MODEL (default: ngram)")
+                   help="ngram | layers:N | quantized[:int8|q4] | none | a draft MODEL (default: ngram)")
     p.add_argument("--k", type=int, default=5, help="largest speculative tokens per step (default 5)")
     p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
     add_speculative_config_argument(p)
@@ -132,7 +136,9 @@ def add_batch_parser(sub) -> None:
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV cache budget per engine: bytes (e.g. 2GiB) or a fraction")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: a GGUF model keeps its quantized weights on CPUs with AVX512-BF16 (bf16 activations); "
+                        "bf16 elsewhere on CPU and CUDA. A named dtype widens every weight to it")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--runner", default="auto", choices=["auto", "native", "hf"])
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run")

@@ -149,3 +149,101 @@ def test_bf16_greedy_speculative_equals_plain_on_smollm2(smollm2_bf16, method):
         spec = llm.chat(messages, sp)[0]
         assert spec.outputs[0].token_ids == plain.token_ids, chat
         assert spec.metrics.proposed_tokens > 0
+
+
+# --- the GGUF models kept quantized (dtype "auto" on CPUs with AVX512-BF16) ---------------------------------
+
+def _kernels_or_skip():
+    from quickdraft import kernels
+
+    if kernels.cpu_linear() is None:
+        pytest.skip("the quantized kernels need AVX512-BF16")
+
+
+@pytest.fixture(scope="module")
+def smollm2_quantized():
+    _kernels_or_skip()
+    return LLM("smollm2-135m", device="cpu")
+
+
+@pytest.mark.parametrize("fixture", ["smollm2", "gemma3"])
+def test_gguf_blocks_are_the_dequantized_models_weights(fixture, request):
+    """Every quantized matrix, read back from the packed layout, is bitwise the float32 weight transformers
+    loads from the same file: the GGUF-to-runner name mapping and Llama's q/k row permutation are right."""
+    _kernels_or_skip()
+    import gguf
+    import torch
+
+    from quickdraft.models import gguf_weights
+    from quickdraft.models.native import _text_config
+
+    llm = request.getfixturevalue(fixture)  # float32: transformers' dequantized weights, unreleased
+    model = llm.target.model
+    weights = gguf_weights.read(llm.source.gguf_path, _text_config(model))
+    inner = model.model
+    modules = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+    assert len(weights.layers) == 7 * len(inner.layers) and not weights.skipped
+    module = llm.target._cpu_kernels or __import__("quickdraft.kernels", fromlist=["x"]).cpu_linear()
+    for index in (0, len(inner.layers) - 1):
+        for role, path in modules.items():
+            packed = weights.get(index, role)
+            expected = inner.layers[index].get_submodule(path).weight
+            got = module.dequantize_rows(packed.packed, packed.qtype, torch.arange(packed.rows), packed.cols)
+            assert torch.equal(got, expected), (index, role)
+    rows = torch.tensor([0, 1, 17, 1000, inner.embed_tokens.weight.shape[0] - 1])
+    table = weights.embedding
+    assert torch.equal(module.dequantize_rows(table.packed, table.qtype, rows, table.cols),
+                       inner.embed_tokens.weight[rows])
+    reader = gguf.GGUFReader(str(llm.source.gguf_path))
+    stored = sum(int(t.n_bytes) for t in reader.tensors)
+    assert weights.nbytes <= 1.15 * stored
+
+
+def test_quantized_runner_keeps_the_stored_blocks(smollm2_quantized, smollm2):
+    """dtype auto keeps the GGUF's blocks (the bytes a step streams are the file's), logits within a stated
+    tolerance of the dequantized float32 model's, and no transformers copy of the weights resident."""
+    import torch
+
+    target = smollm2_quantized.target
+    assert target.quantized_weights is not None and target.quantized_weights.types() == {"Q4_1": 210, "Q8_0": 1}
+    assert target.weight_bytes <= 1.15 * 96.6e6 < LLM("smollm2-135m", dtype="bfloat16").target.weight_bytes
+    assert all(p.device.type == "meta" for name, p in target.model.named_parameters() if "proj" in name)
+    ids = torch.tensor(smollm2.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"])
+    quantized = target.forward(target.new_cache(), ids, len(ids))
+    exact = smollm2.target.forward(smollm2.target.new_cache(), ids, len(ids))
+    # bf16 activations: within 5% of the largest logit, 4% of the logits' spread in RMS, and the same top token
+    assert (quantized - exact).abs().max() <= 0.05 * exact.abs().max()
+    assert (quantized - exact).pow(2).mean().sqrt() <= 0.04 * exact.std()
+    assert torch.equal(quantized.argmax(-1), exact.argmax(-1))
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "ngram", "num_speculative_tokens": 6, "adaptive": False},
+    {"method": "quantized", "quantization": "q4", "num_speculative_tokens": 4, "adaptive": False},
+    {"method": "suffix", "num_speculative_tokens": 8},
+], ids=["ngram", "q4-self-draft", "suffix"])
+def test_quantized_target_greedy_speculative_equals_plain(smollm2_quantized, config):
+    """On the quantized kernels every row is computed alike: speculative greedy output is plain greedy
+    output, and a batch of requests gives each its batch-1 tokens."""
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    spec = smollm2_quantized.with_speculative_config(config)
+    plain = [smollm2_quantized.chat([{"role": "user", "content": c}], sp)[0].outputs[0].token_ids for c in CHATS]
+    batched = spec.chat([[{"role": "user", "content": c}] for c in CHATS], sp)
+    for expected, out in zip(plain, batched):
+        assert out.outputs[0].token_ids == expected
+    assert sum(out.metrics.proposed_tokens for out in batched) > 0
+
+
+def test_q4_self_draft_of_a_bf16_target(smollm2_bf16):
+    _kernels_or_skip()
+    sp = SamplingParams(temperature=0, max_tokens=32)
+    llm = smollm2_bf16.with_speculative_config({"method": "quantized", "quantization": "q4",
+                                                "num_speculative_tokens": 4, "adaptive": False})
+    draft = llm.proposer.runner
+    assert draft.weight_bytes < 0.45 * smollm2_bf16.target.weight_bytes
+    for chat in CHATS[:2]:
+        messages = [{"role": "user", "content": chat}]
+        out = llm.chat(messages, sp)[0]
+        assert out.outputs[0].token_ids == smollm2_bf16.chat(messages, sp)[0].outputs[0].token_ids
+        assert out.metrics.accepted_tokens > 0.5 * out.metrics.proposed_tokens  # a close copy of the target

@@ -30,10 +30,15 @@ def first_divergence(turns: Sequence[tuple[list[int], list[int]]], reference: Se
 
 
 @torch.inference_mode()
-def explain(model, prefix: list[int], token: int | None, ref_token: int | None) -> dict:
-    """The target's logits after `prefix` in one full forward: the top-2 gap and both methods' tokens."""
-    device = next(model.parameters()).device
-    logits = model(input_ids=torch.tensor([prefix], device=device), logits_to_keep=1).logits[0, -1].float()
+def explain(target, prefix: list[int], token: int | None, ref_token: int | None) -> dict:
+    """The target's logits after `prefix` in one full forward: the top-2 gap and both methods' tokens.
+    target: the target's runner (its own weights: a quantized runner's, not a dequantized copy's), or a
+    transformers model."""
+    if isinstance(target, torch.nn.Module):
+        from quickdraft.models.runner import HFRunner
+
+        target = HFRunner(target)
+    logits = target.forward(target.new_cache(), torch.tensor(prefix), 1)[0].float()
     top = torch.topk(logits, 2)
     (v1, v2), (t1, t2) = top.values.tolist(), top.indices.tolist()
     gap = v1 - v2
@@ -46,11 +51,11 @@ def explain(model, prefix: list[int], token: int | None, ref_token: int | None) 
         "top2_tokens": [t1, t2], "top2_logits": [v1, v2], "top2_gap": gap, "top2_relative_gap": relative,
         "method_token": token, "method_token_logit": logit(token),
         "reference_token": ref_token, "reference_token_logit": logit(ref_token),
-        "near_tie": relative < near_tie_gap(next(model.parameters()).dtype) and {token, ref_token} <= {t1, t2},
+        "near_tie": relative < near_tie_gap(target.dtype) and {token, ref_token} <= {t1, t2},
     }
 
 
-def check(model, turns, reference, note: str | None = None) -> dict | None:
+def check(target, turns, reference, note: str | None = None) -> dict | None:
     """None when the conversation equals the reference's; else where it diverged and why it might have."""
     found = first_divergence(turns, reference)
     if found is None:
@@ -62,7 +67,7 @@ def check(model, turns, reference, note: str | None = None) -> dict | None:
         ref_out = reference[turn][1]
         token = out[index] if index < len(out) else None
         ref_token = ref_out[index] if index < len(ref_out) else None
-        record.update(explain(model, list(prompt) + list(ref_out[:index]), token, ref_token))
+        record.update(explain(target, list(prompt) + list(ref_out[:index]), token, ref_token))
     if note:
         record["note"] = note
     return record

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -62,7 +62,7 @@ def _check_model(model: str, method: str) -> None:
 
 
 def parse_method(name: str) -> MethodSpec:
-    if name in ("none", "ngram", "suffix", "quantized"):
+    if name in ("none", "ngram", "suffix", "quantized", "quantized:int8", "quantized:q4"):
         return MethodSpec(name, "quickdraft", name)
     if name.startswith("layers:"):
         value = name.split(":", 1)[1]
@@ -130,10 +130,20 @@ class Target:
     name: str
     source: loader.ModelSource | None  # None for a model object passed in
     eos_token_ids: set[int]
+    _dequantized: nn.Module | None = field(default=None, repr=False)
 
     @property
     def model(self) -> nn.Module:
-        return self.runner.model
+        """The transformers model (for the transformers baselines). A runner that keeps a GGUF model's
+        quantized blocks has released the transformers copies of those weights: the baselines then get the
+        dequantized model, loaded once here (transformers has no kernels for the quantized blocks)."""
+        if getattr(self.runner, "quantized_weights", None) is None:
+            return self.runner.model
+        if self._dequantized is None:
+            if self.source is None:
+                raise QuickdraftError("the transformers baselines need the target's dequantized model")
+            self._dequantized, _ = loader.load(self.source, self.runner.dtype, self.runner.device)
+        return self._dequantized
 
     @property
     def device(self) -> torch.device:

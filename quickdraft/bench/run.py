@@ -241,7 +241,8 @@ def _cost_runners(reference, runners) -> dict:
     from quickdraft.models.runner import HFRunner
 
     out = {f"target ({type(reference.target).__name__})": reference.target}
-    if not isinstance(reference.target, HFRunner):
+    # (The transformers forward of a target kept quantized would need a second, dequantized copy: not timed.)
+    if not isinstance(reference.target, HFRunner) and getattr(reference.target, "quantized_weights", None) is None:
         out["target (HFRunner)"] = HFRunner(reference.target.model)
     for runner in runners:
         draft = getattr(getattr(getattr(runner, "llm", None), "proposer", None), "runner", None)
@@ -262,7 +263,7 @@ def _greedy_check(runners, results, target) -> None:
             note = (f"transformers' {str(target.dtype).removeprefix('torch.')} forward rounds differently from "
                     "quickdraft's runner: its tokens need not match")
         for mine, ref in zip(results[runner.label], reference):
-            mine.divergence = greedy.check(target.model, [(t.prompt_ids, t.generation.token_ids) for t in mine.turns],
+            mine.divergence = greedy.check(target.runner, [(t.prompt_ids, t.generation.token_ids) for t in mine.turns],
                                            [(t.prompt_ids, t.generation.token_ids) for t in ref.turns], note)
 
 

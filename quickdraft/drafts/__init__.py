@@ -23,7 +23,7 @@ from quickdraft.errors import QuickdraftError
 PROPOSERS: dict[str, type[Proposer]] = {cls.name: cls for cls in (
     NoDraft, NgramProposer, DraftModelProposer, LayerSkipProposer, QuantizedSelfProposer, SuffixProposer)}
 METHODS = tuple(PROPOSERS)
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "q4")
 ACCEPTANCES = ("exact", "relaxed")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 
@@ -42,7 +42,8 @@ class SpeculativeConfig:
         drafts/cross_vocab.py).
     tokenizer: the draft model's tokenizer, when `model` is a model object (a loaded model has none of its own).
     num_layers: how many of the target's layers layer_skip keeps.
-    quantization: weight-only quantization of the draft (int8); the default for `quantized`. The target is
+    quantization: weight-only quantization of the draft: int8 (the default for `quantized`) or q4 (4-bit codes,
+        a scale and min per 32 inputs, on the quantized CPU kernels). The target is
         never quantized by this: the output stays exactly the target's.
     prompt_lookup_min / prompt_lookup_max: the n-gram sizes ngram tries, longest first.
     suffix_decoding_*: suffix (drafts/suffix.py): the suffix trees' depth (the longest context matched), the
@@ -172,12 +173,17 @@ def build_proposer(config: SpeculativeConfig, context: DraftContext) -> Proposer
 
 
 def parse_draft(draft: str, k: int) -> dict[str, Any]:
-    """The command line's --draft: ngram | suffix | layers:N | quantized | none | a draft MODEL -> a
+    """The command line's --draft: ngram | suffix | layers:N | quantized[:int8|q4] | none | a draft MODEL -> a
     speculative_config."""
     if draft == "none":
         return {"method": "none"}
     if draft in ("ngram", "suffix", "quantized"):
         return {"method": draft, "num_speculative_tokens": k}
+    if draft.startswith("quantized:"):
+        scheme = draft.split(":", 1)[1]
+        if scheme not in QUANTIZATIONS:
+            raise QuickdraftError(f"--draft {draft}: expected quantized:SCHEME with SCHEME one of {', '.join(QUANTIZATIONS)}")
+        return {"method": "quantized", "quantization": scheme, "num_speculative_tokens": k}
     if draft.startswith("layers:"):
         value = draft.split(":", 1)[1]
         if not value.isdigit():

@@ -14,6 +14,10 @@
 
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool use_amx);
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
+torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                           const std::vector<int64_t>& types);
+torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& rows, int64_t K);
+std::vector<int64_t> quant_layout(int64_t type);
 torch::Tensor attention(const torch::Tensor& q, int64_t num_q_heads, const torch::Tensor& keys,
                         const torch::Tensor& values, int64_t start, int64_t window, double scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool llama_style);
@@ -35,19 +39,26 @@ namespace {
 
 using OptionalTensor = std::optional<torch::Tensor>;
 // A linear layer as Python's quickdraft.models.native.Linear holds it: packed weight, int8 scales or none,
-// bias or none, and the number of real outputs (the packed weight is padded to a multiple of 16).
-using LinearSpec = std::tuple<torch::Tensor, OptionalTensor, OptionalTensor, int64_t>;
+// bias or none, the number of real outputs (the packed weight is padded to a multiple of 16), and for
+// GGUF-quantized layers the packed parts and their types instead of the weight.
+using LinearSpec = std::tuple<torch::Tensor, OptionalTensor, OptionalTensor, int64_t, std::vector<torch::Tensor>,
+                              std::vector<int64_t>>;
 
 struct Linear {
   torch::Tensor weight, scales, bias;
   int64_t out = 0;
+  std::vector<torch::Tensor> parts;
+  std::vector<int64_t> types;
 
   explicit Linear(const LinearSpec& spec)
       : weight(std::get<0>(spec)), scales(std::get<1>(spec).value_or(torch::Tensor())),
-        bias(std::get<2>(spec).value_or(torch::Tensor())), out(std::get<3>(spec)) {}
+        bias(std::get<2>(spec).value_or(torch::Tensor())), out(std::get<3>(spec)), parts(std::get<4>(spec)),
+        types(std::get<5>(spec)) {}
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    torch::Tensor y = scales.defined() ? linear_int8(x, weight, scales) : linear_bf16(x, weight, true);
+    torch::Tensor y = !parts.empty()    ? linear_quant(x, parts, types)
+                      : scales.defined() ? linear_int8(x, weight, scales)
+                                         : linear_bf16(x, weight, true);
     if (y.size(1) != out) y = y.narrow(1, 0, out).contiguous();
     if (bias.defined()) y.add_(bias);
     return y;
@@ -166,6 +177,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "y = x w^T, bf16, batch-invariant (AMX tiles when use_amx and K % 32 == 0)");
   m.def("amx_available", &amx_available, "whether this process may use AMX tiles");
   m.def("linear_int8", &linear_int8, "y = (x w^T) * scales, int8 weights, batch-invariant below 32 rows (AMX from there)");
+  m.def("linear_quant", &linear_quant, "y = x [W_0; W_1; ...]^T on GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, "
+        "Q4_K, Q6_K) packed by quickdraft.kernels.quant, batch-invariant");
+  m.def("dequantize_rows", &dequantize_rows, "rows of a packed quantized weight as float32 (the embedding lookup)");
+  m.def("quant_layout", &quant_layout, "(inputs per super-block, bytes per chunk) of a quantization type");
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, double, double, bool, bool>())
       .def("add_layer", &Decoder::add_layer)

@@ -240,6 +240,33 @@ def load(source: ModelSource, dtype: torch.dtype, device: torch.device, trust_re
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
+def quantized_weights(source: ModelSource, model, dtype: torch.dtype, device: torch.device):
+    """A GGUF model's quantized matrices in their stored format (models/gguf_weights.py), or None where the
+    runner cannot use them: not a GGUF file, not the CPU, not bf16 activations, no AVX512-BF16 kernels."""
+    from quickdraft import kernels
+
+    if source.gguf_path is None or device.type != "cpu" or dtype != torch.bfloat16 or kernels.cpu_linear() is None:
+        return None
+    from quickdraft.models import gguf_weights
+
+    converted = _conversion_dir(source)
+    cached = converted / "quantized.safetensors" if converted is not None else None
+    if cached is not None and cached.is_file():
+        try:
+            return gguf_weights.load(cached)
+        except Exception as exc:  # a damaged cache only costs the time to read the file again
+            log.warning("could not read the cached quantized weights %s (%s); reading the GGUF file", cached, exc)
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    weights = gguf_weights.read(source.gguf_path, config)
+    if cached is not None:
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            gguf_weights.save(weights, cached)
+        except OSError as exc:
+            log.warning("could not cache the quantized weights in %s: %s", cached, exc)
+    return weights
+
+
 def _save_conversion(model, tokenizer, target: Path) -> None:
     """Write the dequantised model (float32) and its tokenizer where the next load will find them."""
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")

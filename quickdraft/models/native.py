@@ -30,14 +30,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from quickdraft import kernels
+from quickdraft.kernels import quant
+from quickdraft.kernels.quant import QuantizedWeight
 from quickdraft.kv_pool import StaticSequenceCache
 from quickdraft.cache import SequenceCache
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.gguf_weights import QuantizedWeights
 from quickdraft.models.families import FAMILIES, NO_ROPE, STATIC_ROPE_TYPES, FamilySettings, sliding_window, \
     unsupported_reason
 from quickdraft.models.runner import check_batch
 
 SUPPORTED = set(FAMILIES)
+QUANTIZATION_SCHEMES = ("int8", "q4")
 
 
 def supports(model: nn.Module) -> str | None:
@@ -76,19 +80,31 @@ def _text_config(model: nn.Module):
 # --- weights --------------------------------------------------------------------------------------------------
 
 class Linear:
-    """y = x W^T (+ b), with W dense or weight-only int8 (per-output-channel scales).
+    """y = x W^T (+ b), with W dense, weight-only int8 (per-output-channel scales), or GGUF-quantized.
 
     On CPUs with AVX512-BF16, bf16 and int8 weights are packed once for quickdraft's kernels (AMX tiles
     where present): they stream the weights at close to memory bandwidth for the few rows of a decoding
-    step and compute every row alike whatever the number of rows (see kernels/cpu_linear.cpp)."""
+    step and compute every row alike whatever the number of rows (see kernels/cpu_linear.cpp). Quantized
+    weights (`parts`: one or more QuantizedWeight side by side, as a fused q|k|v whose parts GGUF stores in
+    different types) stay in their block format and run on kernels/cpu_quant.cpp, rows computed alike too."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 scales: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
+                 scales: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                 parts: list[QuantizedWeight] | None = None):
         # int8 weights come with float32 scales and the model's dtype (that of the activations).
-        self.weight, self.bias, self.scales = weight, bias, scales
+        self.weight, self.bias, self.scales, self.parts = weight, bias, scales, parts
+        self._kernels = None
+        if parts is not None:
+            self.dtype = dtype or torch.bfloat16
+            self.out_features, self.in_features = sum(p.rows for p in parts), parts[0].cols
+            if any(p.rows % 16 for p in parts[:-1]):
+                raise QuickdraftError("quantized parts of a fused weight need multiples of 16 rows")
+            self._kernels = kernels.cpu_linear()
+            self._types = [p.qtype for p in parts]
+            self._packed = [p.packed for p in parts]
+            return
         self.dtype = dtype or weight.dtype
         self.out_features, self.in_features = weight.shape
-        self._kernels = None
         if weight.device.type == "cpu" and self.dtype == torch.bfloat16 and self.in_features % 2 == 0:
             self._kernels = kernels.cpu_linear()
         if self._kernels is not None:
@@ -99,11 +115,23 @@ class Linear:
             self.scales = scales.to(self.dtype)  # torch's int8 matmul takes scales in the activations' dtype
 
     @property
+    def quantized(self) -> bool:
+        return self.parts is not None
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.weight, self.bias, self.scales) if t is not None)
+        tensors = [self.weight, self.bias, self.scales] + [p.packed for p in self.parts or ()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernels is not None and x.dtype == torch.bfloat16:
+        if self.parts is not None:
+            shape = x.shape
+            y = self._kernels.linear_quant(x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(), self._packed,
+                                           self._types)
+            if y.shape[1] != self.out_features:
+                y = y[:, : self.out_features]
+            y = y.reshape(*shape[:-1], -1).to(x.dtype)
+        elif self._kernels is not None and x.dtype == torch.bfloat16:
             x = x.contiguous()
             if self.scales is None:
                 y = self._kernels.linear_bf16(x, self.weight, True)
@@ -120,8 +148,11 @@ class Linear:
         return y if self.bias is None else y + self.bias
 
     def spec(self) -> tuple:
-        """(weight, scales, bias, outputs): what the C++ decoder loop needs of a kernel-packed layer."""
-        return self.weight, self.scales, self.bias, self.out_features
+        """(weight, scales, bias, outputs, quantized parts, their GGML types): what the C++ decoder loop needs
+        of a kernel-packed layer."""
+        if self.parts is not None:
+            return torch.empty(0), None, self.bias, self.out_features, self._packed, self._types
+        return self.weight, self.scales, self.bias, self.out_features, [], []
 
     def int8(self) -> "Linear":
         """Symmetric per-output int8 of this weight (a new Linear; this one is unchanged)."""
@@ -130,8 +161,17 @@ class Linear:
         q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         return Linear(q, self.bias, scales, self.dtype)
 
+    def q4(self) -> "Linear":
+        """4-bit codes with a float16 scale and min per 32 inputs (GGML's Q4_1) of this weight (a new Linear)."""
+        if self.in_features % 32 or kernels.cpu_linear() is None:
+            return self.int8()  # the 4-bit kernels need K % 32 == 0 and AVX512-BF16; int8 elsewhere
+        return Linear(None, self.bias, dtype=self.dtype, parts=[quant.pack(quant.quantize_q4_1(self.dense()))])
+
     def dense(self) -> torch.Tensor:
-        """The [N, K] weight (unpacked; dequantised in float32 when int8)."""
+        """The [N, K] weight (unpacked; dequantised in float32 when int8 or quantized)."""
+        if self.parts is not None:
+            return torch.cat([self._kernels.dequantize_rows(p.packed, p.qtype, torch.arange(p.rows), p.cols)
+                              for p in self.parts])
         w = self.weight
         if self._kernels is not None:  # [N/16, K/2, 16, 2] -> [N, K]
             w = w.permute(0, 2, 1, 3).reshape(-1, self.in_features)[: self.out_features]
@@ -165,6 +205,22 @@ def _fuse(*linears: nn.Linear) -> Linear:
     return Linear(weight, bias)
 
 
+def _fused_bias(linears: tuple[nn.Linear, ...]) -> torch.Tensor | None:
+    biases = [l.bias for l in linears]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b.detach() if b is not None else torch.zeros(l.weight.shape[0], dtype=l.weight.dtype)
+                      for l, b in zip(linears, biases)])
+
+
+def _release(modules: list[nn.Module]) -> None:
+    """Drop the transformers model's copy of weights the runner holds quantized: a weight on the meta device
+    keeps its shape and dtype (so the model still describes itself) and holds no memory."""
+    for module in modules:
+        weight = module.weight
+        module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
+
+
 def _single(linear: nn.Linear) -> Linear:
     return Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
 
@@ -184,7 +240,10 @@ def _rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 class NativeRunner:
     """A Llama-family or Gemma 3 decoder with a static KV cache; same interface as HFRunner."""
 
-    def __init__(self, model: nn.Module, name: str = "model"):
+    def __init__(self, model: nn.Module, name: str = "model", quantized: QuantizedWeights | None = None):
+        """quantized: the GGUF file's own blocks for the linear layers and the embedding (models/gguf_weights);
+        used on CPUs with quickdraft's kernels in bf16, where the transformers model's copies of those weights
+        are then released (one resident copy, in the stored format)."""
         reason = supports(model)
         if reason:
             raise QuickdraftError(f"{name}: {reason}; use runner='hf'")
@@ -203,6 +262,7 @@ class NativeRunner:
         self.forwards = 0
         self.scale = (getattr(config, family.query_scale) if family.query_scale else self.head_dim) ** -0.5
         self.embed = inner.embed_tokens.weight.detach()
+        self.embed_quantized: QuantizedWeight | None = None
         # Gemma multiplies embeddings by sqrt(hidden) rounded to the model's dtype.
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=self.dtype).item()
                             if family.embed_scale else None)
@@ -225,12 +285,29 @@ class NativeRunner:
         norm = (lambda m: (1.0 + m.weight.detach().float())) if gemma_norms else (lambda m: m.weight.detach())
         sandwich = family.sandwich_norms
 
+        if quantized is not None and not (self.device.type == "cpu" and self.dtype == torch.bfloat16
+                                          and kernels.cpu_linear() is not None):
+            quantized = None  # the quantized kernels need AVX512-BF16 and bf16 activations: dense weights
+        self.quantized_weights = quantized
+        released: list[nn.Module] = []
+
+        def linear(index: int, roles: tuple[str, ...], modules: tuple[nn.Linear, ...]) -> Linear:
+            parts = [quantized.get(index, role) for role in roles] if quantized is not None else []
+            if parts and all(p is not None for p in parts) and all(p.rows % 16 == 0 for p in parts[:-1]) and \
+                    all(p.cols == parts[0].cols == m.weight.shape[1] and p.rows == m.weight.shape[0]
+                        for p, m in zip(parts, modules)):
+                released.extend(modules)
+                return Linear(None, _fused_bias(modules), dtype=self.dtype, parts=parts)
+            return _fuse(*modules) if len(modules) > 1 else _single(modules[0])
+
         self.layers: list[Layer] = []
         for i, layer in enumerate(inner.layers):
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(Layer(
-                qkv=_fuse(attn.q_proj, attn.k_proj, attn.v_proj), o=_single(attn.o_proj),
-                gate_up=_fuse(mlp.gate_proj, mlp.up_proj), down=_single(mlp.down_proj),
+                qkv=linear(i, ("q", "k", "v"), (attn.q_proj, attn.k_proj, attn.v_proj)),
+                o=linear(i, ("o",), (attn.o_proj,)),
+                gate_up=linear(i, ("gate", "up"), (mlp.gate_proj, mlp.up_proj)),
+                down=linear(i, ("down",), (mlp.down_proj,)),
                 input_norm=norm(layer.input_layernorm),
                 pre_mlp_norm=norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
                 post_attn_norm=norm(layer.post_attention_layernorm) if sandwich else None,
@@ -238,7 +315,24 @@ class NativeRunner:
                 qk_norm=self._qk_norm(attn, norm),
                 sliding_window=sliding_window(family, config, i), rope=self._rope_key(family, config, attn, i)))
         self.final_norm = norm(inner.norm)
-        self.lm_head = _single(model.get_output_embeddings())
+        output = model.get_output_embeddings()
+        head = None
+        if quantized is not None:
+            head = quantized.output if quantized.output is not None else (
+                quantized.embedding if quantized.tied and output.weight is inner.embed_tokens.weight else None)
+        if head is not None and head.rows == output.weight.shape[0] and head.cols == output.weight.shape[1]:
+            self.lm_head = Linear(None, None if output.bias is None else output.bias.detach(), dtype=self.dtype,
+                                  parts=[head])
+            released.append(output)
+        else:
+            self.lm_head = _single(output)
+        if quantized is not None and quantized.embedding is not None and \
+                quantized.embedding.cols == self.embed.shape[1] and quantized.embedding.rows >= self.embed.shape[0]:
+            self.embed_quantized = quantized.embedding
+            released.append(inner.embed_tokens)
+        _release(released)
+        if self.embed_quantized is not None:
+            self.embed = None
         self.vocab_size = self.lm_head.out_features
         self._rotary = inner.rotary_emb
         self._rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -271,16 +365,19 @@ class NativeRunner:
         return view
 
     def quantized(self, scheme: str) -> "NativeRunner":
-        """The same model with weight-only quantized linear layers (the embedding and norms are shared)."""
-        if scheme != "int8":
-            raise QuickdraftError(f"unknown quantization {scheme!r}; supported: int8")
+        """The same model with weight-only quantized linear layers (the embedding and norms are shared):
+        `int8` (per-output scales) or `q4` (4-bit codes, a float16 scale and min per 32 inputs: GGML's Q4_1,
+        on the quantized kernels; int8 where those cannot run)."""
+        if scheme not in QUANTIZATION_SCHEMES:
+            raise QuickdraftError(f"unknown quantization {scheme!r}; supported: {', '.join(QUANTIZATION_SCHEMES)}")
         if self.device.type != "cpu" and self.device.type != "cuda":
-            raise QuickdraftError(f"int8 weights need a CPU or CUDA device, not {self.device.type}")
+            raise QuickdraftError(f"{scheme} weights need a CPU or CUDA device, not {self.device.type}")
+        convert = Linear.int8 if scheme == "int8" else Linear.q4
         view = self._copy(f"{self.name}[{scheme}]")
-        view.layers = [Layer(**{**layer.__dict__, **{name: getattr(layer, name).int8()
+        view.layers = [Layer(**{**layer.__dict__, **{name: convert(getattr(layer, name))
                                                      for name in ("qkv", "o", "gate_up", "down")}})
                        for layer in self.layers]
-        view.lm_head = self.lm_head.int8()
+        view.lm_head = convert(self.lm_head)
         return view
 
     def _copy(self, name: str) -> "NativeRunner":
@@ -358,6 +455,19 @@ class NativeRunner:
             sin[:, : sin.shape[1] // 2].neg_()
             table = self._rope_tables[kind] = (cos[0], sin)
         return table
+
+    def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_quantized is not None:  # rows read from the quantized table, rounded as a bf16 table's are
+            table = self.embed_quantized
+            return self._cpu_kernels.dequantize_rows(table.packed, table.qtype, ids, table.cols).to(self.dtype)
+        return F.embedding(ids, self.embed)
+
+    @property
+    def embedding_table(self) -> torch.Tensor:
+        """The [vocab, hidden] input embedding (dequantized when it is stored quantized)."""
+        if self.embed_quantized is not None:
+            return self._embedding(torch.arange(self.embed_quantized.rows))
+        return self.embed
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, gemma_style: bool = False) -> torch.Tensor:
         gemma_style = gemma_style or self.family.gemma_norms
@@ -478,7 +588,7 @@ class NativeRunner:
         ids = (flat[0] if len(flat) == 1 else torch.cat(flat)).to(self.device)  # [num_tokens]
         for cache, end in zip(caches, ends):
             cache.reserve(end)
-        x = F.embedding(ids, self.embed)  # [num_tokens, hidden]
+        x = self._embedding(ids)  # [num_tokens, hidden]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         decoder = self._native_decoder() if use_decoder else None

@@ -197,9 +197,10 @@ def truncated_view(model: nn.Module, num_layers: int) -> nn.Module:
 RUNNERS = ("auto", "native", "hf")
 
 
-def make_runner(model: nn.Module, name: str, kind: str = "auto") -> Runner:
+def make_runner(model: nn.Module, name: str, kind: str = "auto", quantized=None) -> Runner:
     """The runner for `model`: `native` (quickdraft's own decoder, Llama family and Gemma 3), `hf` (the
-    transformers forward, any causal LM), or `auto` (native where the architecture has one)."""
+    transformers forward, any causal LM), or `auto` (native where the architecture has one). quantized: a GGUF
+    file's blocks (models/gguf_weights.QuantizedWeights) for the native runner to keep in their stored format."""
     if kind not in RUNNERS:
         raise QuickdraftError(f"unknown runner {kind!r}; use one of {', '.join(RUNNERS)}")
     if kind == "hf":
@@ -208,7 +209,7 @@ def make_runner(model: nn.Module, name: str, kind: str = "auto") -> Runner:
 
     reason = supports(model)
     if reason is None:
-        return NativeRunner(model, name=name)
+        return NativeRunner(model, name=name, quantized=quantized)
     if kind == "native":
         raise QuickdraftError(f"{name}: {reason}; use runner='auto' or 'hf'")
     return HFRunner(model, name=name)

@@ -1,0 +1,415 @@
+// Linear layers on GGUF-quantized weights kept in their block format (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K):
+// y = x W^T for the few rows of a decoding or verification step, streaming 4.5-8.5 bits per weight.
+//
+// Why: a decoding step reads every weight once; at batch 1 its time is the bytes streamed over the memory
+// bandwidth. The packaged models are stored at 4-6 bits a weight; widened to bf16 they stream 2.8-3.5x more.
+//
+// Numerics: weights are never widened in memory. Each block's integer codes become bf16 in registers (every
+// code is exact in bf16), a block's dot product with x accumulates bf16 pairs in float32 (AVX512-BF16), and
+// the block's scale (and min) multiply that float32 sum: y = sum over blocks of d_b * (x . q_b) + m_b *
+// sum(x_b). Every output y[m, n] is computed by the same instruction sequence whatever the number of rows,
+// the tiling of rows and outputs, or the threads: a token's logits are bitwise the same when it is verified
+// alone or among K+1 tokens or other sequences' rows.
+//
+// Layout (quickdraft.kernels.quant packs it from the GGUF blocks): the outputs in groups of 16; for each
+// group, K in super-blocks of SB (32, or 256 for the K-quants); for each (group, super-block) one chunk of
+// bytes, chunks stored group-major so a group's weights are one contiguous stream. Within a chunk, the codes
+// are laid out for the dot-product instruction: "step" p of a 32-K block covers k = 2p, 2p+1 for the 16
+// outputs, 32 bf16 lanes (lane 2n + e holds W[n, 2p + e]). 4-bit codes: a 64-byte vector holds four steps,
+// the nibble of step 4g + s in bits 4s..4s+3 of each 16-bit lane, so a shift and one permute (a 32-entry
+// table of bf16 values indexed by the lane's low 5 bits) give the step's weights. 5th bits (Q5_0) and the
+// 2 high bits of Q6_K codes sit in planes of their own and are merged into the index by one ternary-logic.
+// Q8_0 codes are bytes in lane order, widened to bf16.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <array>
+#include <vector>
+
+namespace {
+
+// GGML's type ids.
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
+
+struct Tables {
+  alignas(64) uint16_t q4[32];      // i & 15
+  alignas(64) uint16_t q4_0[32];    // (i & 15) - 8
+  alignas(64) uint16_t q5_0[32];    // i - 16
+  alignas(64) uint16_t q6_k[64];    // i - 32
+};
+
+const Tables& tables() {
+  static const Tables t = [] {
+    Tables t{};
+    auto bf = [](int v) { return c10::BFloat16(static_cast<float>(v)).x; };
+    for (int i = 0; i < 32; ++i) {
+      t.q4[i] = bf(i & 15);
+      t.q4_0[i] = bf((i & 15) - 8);
+      t.q5_0[i] = bf(i - 16);
+    }
+    for (int i = 0; i < 64; ++i) t.q6_k[i] = bf(i - 32);
+    return t;
+  }();
+  return t;
+}
+
+inline __m512i load(const void* p) { return _mm512_loadu_si512(p); }
+inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 i8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The index lanes of step p from a plane of nibbles (four steps per 64-byte vector).
+inline __m512i nibbles(const uint8_t* plane, int p) {
+  return _mm512_srli_epi16(load(plane + (p >> 2) * 64), 4 * (p & 3));
+}
+
+// bits [lo, lo + n) of each lane of `from` moved to bit `to` upward.
+inline __m512i move_bits(__m512i from, int lo, int to) {
+  return lo <= to ? _mm512_slli_epi16(from, to - lo) : _mm512_srli_epi16(from, lo - to);
+}
+
+// The per-type parts of the kernel: chunk layout, codes of step p, scale (and min) of sub-block j.
+struct Q4_0 {
+  static constexpr int SB = 32, kChunk = 288, kSubs = 1, kSubK = 32;
+  static constexpr bool kMin = false;
+  static __m512bh weights(const uint8_t* c, int p, const __m512i* t) {
+    return (__m512bh)_mm512_permutexvar_epi16(nibbles(c, p), t[0]);
+  }
+  static __m512 scale(const uint8_t* c, int) { return half16(c + 256); }
+  static __m512 min(const uint8_t*, int) { return _mm512_setzero_ps(); }
+  static void load_tables(__m512i* t) { t[0] = load(tables().q4_0); }
+  static float value(const uint8_t* c, int n, int k);
+};
+
+struct Q4_1 {
+  static constexpr int SB = 32, kChunk = 320, kSubs = 1, kSubK = 32;
+  static constexpr bool kMin = true;
+  static __m512bh weights(const uint8_t* c, int p, const __m512i* t) {
+    return (__m512bh)_mm512_permutexvar_epi16(nibbles(c, p), t[0]);
+  }
+  static __m512 scale(const uint8_t* c, int) { return half16(c + 256); }
+  static __m512 min(const uint8_t* c, int) { return half16(c + 288); }  // added: + m * sum(x)
+  static void load_tables(__m512i* t) { t[0] = load(tables().q4); }
+  static float value(const uint8_t* c, int n, int k);
+};
+
+struct Q5_0 {
+  static constexpr int SB = 32, kChunk = 352, kSubs = 1, kSubK = 32;
+  static constexpr bool kMin = false;
+  static __m512bh weights(const uint8_t* c, int p, const __m512i* t) {
+    __m512i high = move_bits(load(c + 256), p, 4);  // bit p of each lane: the 5th bit of step p
+    __m512i index = _mm512_ternarylogic_epi32(t[1], high, nibbles(c, p), 0xCA);  // bit 4 from high, rest from lo
+    return (__m512bh)_mm512_permutexvar_epi16(index, t[0]);
+  }
+  static __m512 scale(const uint8_t* c, int) { return half16(c + 320); }
+  static __m512 min(const uint8_t*, int) { return _mm512_setzero_ps(); }
+  static void load_tables(__m512i* t) { t[0] = load(tables().q5_0); t[1] = _mm512_set1_epi16(0x0010); }
+  static float value(const uint8_t* c, int n, int k);
+};
+
+struct Q8_0 {
+  static constexpr int SB = 32, kChunk = 544, kSubs = 1, kSubK = 32;
+  static constexpr bool kMin = false;
+  static __m512bh weights(const uint8_t* c, int p, const __m512i*) {
+    __m512i words = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + p * 32)));
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(words)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(words, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
+  static __m512 scale(const uint8_t* c, int) { return half16(c + 512); }
+  static __m512 min(const uint8_t*, int) { return _mm512_setzero_ps(); }
+  static void load_tables(__m512i*) {}
+  static float value(const uint8_t* c, int n, int k);
+};
+
+// Q4_K: 8 sub-blocks of 32 with 6-bit scales and mins: w = d * sc_j * q - dmin * m_j (q in 0..15).
+struct Q4_K {
+  static constexpr int SB = 256, kChunk = 2368, kSubs = 8, kSubK = 32;
+  static constexpr bool kMin = true;
+  static __m512bh weights(const uint8_t* c, int p, const __m512i* t) {
+    return (__m512bh)_mm512_permutexvar_epi16(nibbles(c, p), t[0]);
+  }
+  static __m512 scale(const uint8_t* c, int j) { return _mm512_mul_ps(half16(c + 2048), u8x16(c + 2112 + 16 * j)); }
+  static __m512 min(const uint8_t* c, int j) {  // -dmin * m_j
+    return _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(c + 2080), u8x16(c + 2240 + 16 * j)));
+  }
+  static void load_tables(__m512i* t) { t[0] = load(tables().q4); }
+  static float value(const uint8_t* c, int n, int k);
+};
+
+// Q6_K: 16 sub-blocks of 16 with int8 scales: w = d * sc_j * (q - 32) (q in 0..63).
+struct Q6_K {
+  static constexpr int SB = 256, kChunk = 3360, kSubs = 16, kSubK = 16;
+  static constexpr bool kMin = false;
+  static __m512bh weights(const uint8_t* c, int p, const __m512i* t) {
+    __m512i high = move_bits(load(c + 2048 + (p >> 3) * 64), 2 * (p & 7), 4);
+    __m512i index = _mm512_ternarylogic_epi32(t[2], high, nibbles(c, p), 0xCA);  // bits 4-5 from high
+    return (__m512bh)_mm512_permutex2var_epi16(t[0], index, t[1]);
+  }
+  static __m512 scale(const uint8_t* c, int j) { return _mm512_mul_ps(half16(c + 3072), i8x16(c + 3104 + 16 * j)); }
+  static __m512 min(const uint8_t*, int) { return _mm512_setzero_ps(); }
+  static void load_tables(__m512i* t) {
+    t[0] = load(tables().q6_k); t[1] = load(tables().q6_k + 32); t[2] = _mm512_set1_epi16(0x0030);
+  }
+  static float value(const uint8_t* c, int n, int k);
+};
+
+// --- scalar decoding of one weight (the embedding lookup, and the reference the tests hold the layout to) ---
+inline float f16(const uint8_t* p) { return c10::detail::fp16_ieee_to_fp32_value(*reinterpret_cast<const uint16_t*>(p)); }
+inline int lane(int n, int k) { return 2 * n + (k & 1); }
+inline int nibble_at(const uint8_t* plane, int n, int k) {  // k within the planes' steps (k / 2 = step)
+  const int p = k >> 1;
+  const uint16_t word = reinterpret_cast<const uint16_t*>(plane)[(p >> 2) * 32 + lane(n, k)];
+  return (word >> (4 * (p & 3))) & 15;
+}
+
+float Q4_0::value(const uint8_t* c, int n, int k) { return f16(c + 256 + 2 * n) * static_cast<float>(nibble_at(c, n, k) - 8); }
+float Q4_1::value(const uint8_t* c, int n, int k) {
+  return f16(c + 256 + 2 * n) * static_cast<float>(nibble_at(c, n, k)) + f16(c + 288 + 2 * n);
+}
+float Q5_0::value(const uint8_t* c, int n, int k) {
+  const int high = (reinterpret_cast<const uint16_t*>(c + 256)[lane(n, k)] >> (k >> 1)) & 1;
+  return f16(c + 320 + 2 * n) * static_cast<float>((nibble_at(c, n, k) | high << 4) - 16);
+}
+float Q8_0::value(const uint8_t* c, int n, int k) {
+  return f16(c + 512 + 2 * n) * static_cast<float>(reinterpret_cast<const int8_t*>(c)[(k >> 1) * 32 + lane(n, k)]);
+}
+float Q4_K::value(const uint8_t* c, int n, int k) {
+  const int j = k / 32;
+  const float d = f16(c + 2048 + 2 * n) * static_cast<float>(c[2112 + 16 * j + n]);
+  const float m = f16(c + 2080 + 2 * n) * static_cast<float>(c[2240 + 16 * j + n]);
+  return d * static_cast<float>(nibble_at(c, n, k)) - m;
+}
+float Q6_K::value(const uint8_t* c, int n, int k) {
+  const int j = k / 16, p = k >> 1;
+  const int high = (reinterpret_cast<const uint16_t*>(c + 2048)[(p >> 3) * 32 + lane(n, k)] >> (2 * (p & 7))) & 3;
+  const float d = f16(c + 3072 + 2 * n) * static_cast<float>(reinterpret_cast<const int8_t*>(c)[3104 + 16 * j + n]);
+  return d * static_cast<float>((nibble_at(c, n, k) | high << 4) - 32);
+}
+
+// --- the kernel -----------------------------------------------------------------------------------------------
+
+// MR rows of x by NB groups of 16 outputs, over all of K. x: pairs of bf16 as 32-bit words, row stride
+// half_k; xsum: per row, the float32 sum of x over each 32-wide block (types with mins); w: the chunks of
+// the tile's first group (groups `group_bytes` apart); y: the tile's first output of row 0.
+template <class Q, int MR, int NB>
+void tile(const int32_t* x, int64_t half_k, const float* xsum, int64_t xsum_stride, const uint8_t* w,
+          int64_t group_bytes, int64_t super_blocks, c10::BFloat16* y, int64_t ldy) {
+  __m512i t[3];
+  Q::load_tables(t);
+  __m512 total[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) total[m][j] = _mm512_setzero_ps();
+  constexpr int kSteps = Q::kSubK / 2;
+  for (int64_t b = 0; b < super_blocks; ++b) {
+    const uint8_t* chunk[NB];
+    for (int j = 0; j < NB; ++j) chunk[j] = w + j * group_bytes + b * Q::kChunk;
+    const int32_t* xb = x + b * (Q::SB / 2);
+    for (int s = 0; s < Q::kSubs; ++s) {
+      __m512 acc[MR][NB];
+      for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int i = 0; i < kSteps; ++i) {
+        const int p = s * kSteps + i;
+        __m512bh wv[NB];
+        for (int j = 0; j < NB; ++j) wv[j] = Q::weights(chunk[j], p, t);
+        for (int m = 0; m < MR; ++m) {
+          __m512bh xv = (__m512bh)_mm512_set1_epi32(xb[m * half_k + p]);
+          for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+        }
+      }
+      for (int j = 0; j < NB; ++j) {
+        const __m512 scale = Q::scale(chunk[j], s);
+        for (int m = 0; m < MR; ++m) total[m][j] = _mm512_fmadd_ps(acc[m][j], scale, total[m][j]);
+        if constexpr (Q::kMin) {
+          const __m512 min = Q::min(chunk[j], s);
+          const int64_t block = (b * Q::SB + s * Q::kSubK) / 32;
+          for (int m = 0; m < MR; ++m)
+            total[m][j] = _mm512_fmadd_ps(min, _mm512_set1_ps(xsum[m * xsum_stride + block]), total[m][j]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + j * 16), (__m256i)_mm512_cvtneps_pbh(total[m][j]));
+}
+
+// Groups [g0, g1) of one weight, all M rows: few rows take 4 groups a tile (independent accumulators hide the
+// dot product's latency), more rows take 2 groups by up to 4 rows.
+template <class Q>
+void groups(const int32_t* x, int64_t M, int64_t half_k, const float* xsum, int64_t xsum_stride, const uint8_t* w,
+            int64_t g0, int64_t g1, c10::BFloat16* y, int64_t ldy) {
+  const int64_t super_blocks = 2 * half_k / Q::SB;
+  const int64_t group_bytes = super_blocks * Q::kChunk;
+  auto at = [&](int64_t g) { return w + g * group_bytes; };
+  int64_t g = g0;
+  if (M <= 2) {
+    for (; g + 4 <= g1; g += 4) {
+      if (M == 1) tile<Q, 1, 4>(x, half_k, xsum, xsum_stride, at(g), group_bytes, super_blocks, y + g * 16, ldy);
+      else tile<Q, 2, 4>(x, half_k, xsum, xsum_stride, at(g), group_bytes, super_blocks, y + g * 16, ldy);
+    }
+  }
+  for (; g < g1; g += 2) {
+    const bool pair = g + 2 <= g1;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t rows = std::min<int64_t>(4, M - m0);
+      const int32_t* xm = x + m0 * half_k;
+      const float* sm = xsum + m0 * xsum_stride;
+      c10::BFloat16* ym = y + m0 * ldy + g * 16;
+#define QD_TILE(R)                                                                                         \
+  case R:                                                                                                  \
+    if (pair) tile<Q, R, 2>(xm, half_k, sm, xsum_stride, at(g), group_bytes, super_blocks, ym, ldy);        \
+    else tile<Q, R, 1>(xm, half_k, sm, xsum_stride, at(g), group_bytes, super_blocks, ym, ldy);             \
+    break;
+      switch (rows) { QD_TILE(1) QD_TILE(2) QD_TILE(3) QD_TILE(4) }
+#undef QD_TILE
+    }
+  }
+}
+
+struct Part {
+  const uint8_t* w;
+  int64_t type, groups, column;  // column: its first output in y
+};
+
+void run_groups(const Part& part, const int32_t* x, int64_t M, int64_t half_k, const float* xsum, int64_t xs,
+                int64_t g0, int64_t g1, c10::BFloat16* y, int64_t ldy) {
+  c10::BFloat16* yp = y + part.column;
+  switch (part.type) {
+    case kQ4_0: return groups<Q4_0>(x, M, half_k, xsum, xs, part.w, g0, g1, yp, ldy);
+    case kQ4_1: return groups<Q4_1>(x, M, half_k, xsum, xs, part.w, g0, g1, yp, ldy);
+    case kQ5_0: return groups<Q5_0>(x, M, half_k, xsum, xs, part.w, g0, g1, yp, ldy);
+    case kQ8_0: return groups<Q8_0>(x, M, half_k, xsum, xs, part.w, g0, g1, yp, ldy);
+    case kQ4_K: return groups<Q4_K>(x, M, half_k, xsum, xs, part.w, g0, g1, yp, ldy);
+    case kQ6_K: return groups<Q6_K>(x, M, half_k, xsum, xs, part.w, g0, g1, yp, ldy);
+    default: TORCH_CHECK(false, "unsupported quantization type ", part.type);
+  }
+}
+
+struct TypeInfo {
+  int64_t sb, chunk;
+};
+
+TypeInfo info(int64_t type) {
+  switch (type) {
+    case kQ4_0: return {Q4_0::SB, Q4_0::kChunk};
+    case kQ4_1: return {Q4_1::SB, Q4_1::kChunk};
+    case kQ5_0: return {Q5_0::SB, Q5_0::kChunk};
+    case kQ8_0: return {Q8_0::SB, Q8_0::kChunk};
+    case kQ4_K: return {Q4_K::SB, Q4_K::kChunk};
+    case kQ6_K: return {Q6_K::SB, Q6_K::kChunk};
+    default: TORCH_CHECK(false, "unsupported quantization type ", type, " (supported: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)");
+  }
+  return {0, 0};
+}
+
+void check_weight(const torch::Tensor& w, int64_t type, int64_t K) {
+  const TypeInfo t = info(type);
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu(),
+              "quantized weight must be a contiguous uint8 CPU tensor [N/16, K/SB, chunk]");
+  TORCH_CHECK(K % t.sb == 0 && w.size(1) == K / t.sb && w.size(2) == t.chunk, "quantized weight of type ", type,
+              " must be [N/16, ", K / std::max<int64_t>(t.sb, 1), ", ", t.chunk, "] for K = ", K, " (K a multiple of ",
+              t.sb, "), got ", w.sizes());
+}
+
+}  // namespace
+
+// y = x [W_0; W_1; ...]^T: the outputs of several quantized weights (each its own type) side by side, as a fused
+// q|k|v or gate|up projection whose parts GGUF stores in different types. x: [M, K] bf16; weights[i]: packed
+// [N_i/16, K/SB_i, chunk_i] uint8 of GGML type types[i]. Returns [M, sum N_i] bf16.
+torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                           const std::vector<int64_t>& types) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
+              "x must be a contiguous 2-d bf16 CPU tensor");
+  TORCH_CHECK(!weights.empty() && weights.size() == types.size(), "one type per quantized weight");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32, got ", K);
+  std::vector<Part> parts;
+  int64_t N = 0, total_groups = 0;
+  bool mins = false;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    check_weight(weights[i], types[i], K);
+    parts.push_back({weights[i].data_ptr<uint8_t>(), types[i], weights[i].size(0), N});
+    N += weights[i].size(0) * 16;
+    total_groups += weights[i].size(0);
+    mins = mins || types[i] == kQ4_1 || types[i] == kQ4_K;
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const auto* xp = reinterpret_cast<const int32_t*>(x.data_ptr<c10::BFloat16>());
+  const int64_t half_k = K / 2, blocks = K / 32;
+  // Per row, the float32 sum of x over each 32-wide block, in one fixed order (the mins' term).
+  std::vector<float> xsum(mins ? M * blocks : 1, 0.0f);
+  if (mins) {
+    const auto* xb = x.data_ptr<c10::BFloat16>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < blocks; ++b) {
+        float s = 0.0f;
+        for (int k = 0; k < 32; ++k) s += static_cast<float>(xb[m * K + b * 32 + k]);
+        xsum[m * blocks + b] = s;
+      }
+  }
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  // Threads split the groups of all parts (4 at a time: one few-row tile); a range may span parts.
+  at::parallel_for(0, total_groups, 4, [&](int64_t begin, int64_t end) {
+    int64_t base = 0;
+    for (const Part& part : parts) {
+      const int64_t lo = std::max(begin, base), hi = std::min(end, base + part.groups);
+      if (lo < hi) run_groups(part, xp, M, half_k, xsum.data(), blocks, lo - base, hi - base, yp, N);
+      base += part.groups;
+    }
+  });
+  return y;
+}
+
+// Rows `rows` of a packed weight as float32 [len(rows), K] (the embedding lookup; the tests' view of the layout).
+torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& rows, int64_t K) {
+  check_weight(w, type, K);
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be a 1-d int64 tensor");
+  const TypeInfo t = info(type);
+  const auto r = rows.contiguous();
+  const int64_t n = r.size(0), N = w.size(0) * 16;
+  auto out = torch::empty({n, K}, torch::dtype(torch::kFloat32));
+  const auto* rp = r.data_ptr<int64_t>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "row ", rp[i], " out of range for a weight of ", N, " rows");
+  const int64_t super_blocks = K / t.sb;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = rp[i], g = row / 16;
+      const int nn = static_cast<int>(row % 16);
+      for (int64_t b = 0; b < super_blocks; ++b) {
+        const uint8_t* c = wp + (g * super_blocks + b) * t.chunk;
+        float* o = op + i * K + b * t.sb;
+        for (int k = 0; k < t.sb; ++k) {
+          switch (type) {
+            case kQ4_0: o[k] = Q4_0::value(c, nn, k); break;
+            case kQ4_1: o[k] = Q4_1::value(c, nn, k); break;
+            case kQ5_0: o[k] = Q5_0::value(c, nn, k); break;
+            case kQ8_0: o[k] = Q8_0::value(c, nn, k); break;
+            case kQ4_K: o[k] = Q4_K::value(c, nn, k); break;
+            case kQ6_K: o[k] = Q6_K::value(c, nn, k); break;
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Bytes of a packed chunk and the super-block size of a type (for the Python packer's checks).
+std::vector<int64_t> quant_layout(int64_t type) {
+  const TypeInfo t = info(type);
+  return {t.sb, t.chunk};
+}

@@ -1,0 +1,156 @@
+"""GGUF block types on quickdraft's quantized kernels (kernels/quant.py, kernels/cpu_quant.cpp): every block
+type's decoding against the gguf package's reference dequantization, the packed layout read back by the
+kernel's own scalar decoder, the linear kernel against a float64 product, and bitwise row invariance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from quickdraft import kernels
+from quickdraft.kernels import quant
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TYPES = sorted(quant.SUPPORTED)
+needs_kernels = pytest.mark.skipif(kernels.cpu_linear() is None, reason="needs quickdraft's AVX512-BF16 kernels")
+
+
+def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """GGUF bytes of a [rows, cols] tensor: random codes, scales and mins (valid float16, both signs)."""
+    rng = np.random.default_rng(seed + 1000 * qtype)
+    block, size, _, _ = quant.LAYOUT[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+
+    def halves(offset: int, scale: float) -> None:
+        values = (rng.standard_normal((rows, cols // block)) * scale).astype(np.float16)
+        raw[..., offset:offset + 2] = values[..., None].view(np.uint8)
+
+    offsets = {quant.Q4_0: [0], quant.Q5_0: [0], quant.Q8_0: [0], quant.Q4_1: [0, 2], quant.Q4_K: [0, 2],
+               quant.Q6_K: [208]}[qtype]
+    for offset in offsets:
+        halves(offset, 0.01)
+    return raw.reshape(rows, -1)
+
+
+def shapes(qtype: int) -> list[tuple[int, int]]:
+    block = quant.LAYOUT[qtype][0]
+    # odd row counts (the packer pads to 16), one and several blocks a row
+    return [(37, block), (16, 3 * block), (5, 2 * block), (64, 4 * block if block == 32 else 2 * block)]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[quant.NAMES[t] for t in TYPES])
+def test_decoding_matches_the_gguf_reference(qtype):
+    import gguf
+
+    for rows, cols in shapes(qtype):
+        raw = random_blocks(qtype, rows, cols)
+        reference = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).reshape(rows, cols)
+        blocks = quant.decode(raw, qtype, cols)
+        assert blocks.codes.shape == (rows, cols)
+        np.testing.assert_array_equal(blocks.dequantize(), reference)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=[quant.NAMES[t] for t in TYPES])
+def test_the_packed_layout_reads_back_bitwise(qtype):
+    import gguf
+
+    module = kernels.cpu_linear()
+    for rows, cols in shapes(qtype):
+        raw = random_blocks(qtype, rows, cols, seed=1)
+        reference = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).reshape(rows, cols)
+        packed = quant.pack(quant.decode(raw, qtype, cols))
+        assert packed.packed.shape[0] == -(-rows // 16) and packed.packed.shape[2] == quant.LAYOUT[qtype][3]
+        # the packed bytes are the GGUF bytes give or take padding and Q4_K's byte-wide 6-bit scales
+        assert packed.nbytes <= 1.03 * raw.nbytes * (-(-rows // 16) * 16) / rows
+        rows_read = module.dequantize_rows(packed.packed, qtype, torch.arange(rows), cols).numpy()
+        np.testing.assert_array_equal(rows_read, reference)
+        shuffled = torch.randperm(rows)[:7]
+        np.testing.assert_array_equal(module.dequantize_rows(packed.packed, qtype, shuffled, cols).numpy(),
+                                      reference[shuffled.numpy()])
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=[quant.NAMES[t] for t in TYPES])
+def test_linear_kernel_against_float64(qtype):
+    import gguf
+
+    module = kernels.cpu_linear()
+    torch.manual_seed(0)
+    for rows, cols in shapes(qtype):
+        raw = random_blocks(qtype, rows, cols, seed=2)
+        w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).reshape(rows, cols))
+        packed = quant.pack(quant.decode(raw, qtype, cols))
+        x = torch.randn(9, cols).bfloat16()
+        y = module.linear_quant(x, [packed.packed], [qtype])[:, :rows].double()
+        exact = x.double() @ w.double().T
+        # bf16 output (relative 2^-9) plus float32 summation over the blocks (relative to sum |x| |w|)
+        bound = exact.abs() * 2.0 ** -8 + (x.double().abs() @ w.double().abs().T) * 1e-6
+        assert ((y - exact).abs() <= bound).all(), (y - exact).abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=[quant.NAMES[t] for t in TYPES])
+def test_rows_are_computed_alike_whatever_the_call(qtype):
+    """A row's outputs are bitwise the same alone, among 2..16 rows, and inside larger calls (the kernel's
+    few-row and many-row tilings, odd output groups, several threads)."""
+    module = kernels.cpu_linear()
+    block = quant.LAYOUT[qtype][0]
+    rows, cols = 80, 2 * block  # 5 groups of 16 outputs: a 4-group tile and a remainder
+    packed = quant.pack(quant.decode(random_blocks(qtype, rows, cols, seed=3), qtype, cols))
+    torch.manual_seed(1)
+    x = torch.randn(40, cols).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        everything = module.linear_quant(x, [packed.packed], [qtype])
+        torch.set_num_threads(1)
+        alone = torch.cat([module.linear_quant(x[i:i + 1].contiguous(), [packed.packed], [qtype]) for i in range(40)])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(everything, alone)
+    for m in range(2, 17):
+        assert torch.equal(module.linear_quant(x[:m].contiguous(), [packed.packed], [qtype]), alone[:m]), m
+        assert torch.equal(module.linear_quant(x[7:7 + m].contiguous(), [packed.packed], [qtype]), alone[7:7 + m])
+
+
+@needs_kernels
+def test_fused_parts_of_different_types_equal_their_separate_products():
+    module = kernels.cpu_linear()
+    cols = 256
+    parts = [quant.pack(quant.decode(random_blocks(t, n, cols, seed=4), t, cols))
+             for t, n in ((quant.Q5_0, 32), (quant.Q8_0, 48), (quant.Q4_K, 16), (quant.Q6_K, 21))]
+    x = torch.randn(6, cols).bfloat16()
+    fused = module.linear_quant(x, [p.packed for p in parts], [p.qtype for p in parts])
+    separate = torch.cat([module.linear_quant(x, [p.packed], [p.qtype]) for p in parts], dim=1)
+    assert torch.equal(fused, separate)
+
+
+@needs_kernels
+def test_bad_input_is_refused():
+    module = kernels.cpu_linear()
+    packed = quant.pack(quant.decode(random_blocks(quant.Q4_0, 16, 64), quant.Q4_0, 64))
+    with pytest.raises(RuntimeError, match="must be"):
+        module.linear_quant(torch.randn(2, 96).bfloat16(), [packed.packed], [quant.Q4_0])  # K mismatch
+    with pytest.raises(RuntimeError, match="unsupported quantization type"):
+        module.linear_quant(torch.randn(2, 64).bfloat16(), [packed.packed], [13])
+    with pytest.raises(RuntimeError, match="out of range"):
+        module.dequantize_rows(packed.packed, quant.Q4_0, torch.tensor([16]), 64)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quant.decode(np.zeros((1, 144), np.uint8), quant.Q4_K, 128)
+    with pytest.raises(ValueError, match="no quantized kernel"):
+        quant.decode(np.zeros((1, 18), np.uint8), 20, 32)
+
+
+def test_q4_1_quantizer_error_is_half_a_step():
+    torch.manual_seed(0)
+    w = torch.randn(24, 96) * torch.rand(24, 1)
+    blocks = quant.quantize_q4_1(w)
+    assert blocks.codes.max() <= 15
+    back = torch.from_numpy(blocks.dequantize())
+    step = torch.from_numpy(blocks.fields["d"].astype(np.float32)).repeat_interleave(32, dim=1)
+    # half a step, plus the float16 rounding of the scale (times the code) and of the min
+    slack = 15 * step * 2.0 ** -11 + w.abs().amax() * 2.0 ** -11
+    assert ((back - w).abs() <= step / 2 + slack).all()

@@ -1,7 +1,10 @@
 """Where a native forward's time goes, on the CPU kernels: the whole forward (the C++ layer loop and the same
 kernels called from Python), the linear layers alone, and the weight-bytes floor at the measured bandwidth.
 
-    .venv/bin/python benchmarks/profile_forward.py [MODEL] [--context 200] [--rounds 12]
+    .venv/bin/python benchmarks/profile_forward.py [MODEL] [--context 200] [--rounds 12] [--dtype auto|bfloat16]
+
+dtype auto keeps a GGUF model's quantized blocks (the floor is then that of the bytes those stream),
+bfloat16 widens them (the floor of the bf16 weights). --dtype both interleaves the two in every round.
 
 Sizes and modes are interleaved round by round, and medians are printed, so that drift of a shared machine
 hits all alike. Run it with nothing else running.
@@ -16,7 +19,7 @@ import time
 import torch
 
 from quickdraft.bench.costs import measure_read_bandwidth
-from quickdraft.models.loader import load, resolve
+from quickdraft.models.loader import load, quantized_weights, resolve
 from quickdraft.models.native import NativeRunner
 
 
@@ -26,24 +29,29 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "both"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, _ = load(resolve(args.model), torch.bfloat16, torch.device("cpu"))
-    runner = NativeRunner(model)
-    kernels = runner._cpu_kernels
-    if kernels is None or runner._native_decoder() is None:
-        raise SystemExit("this profile needs quickdraft's CPU kernels (an AVX512-BF16 CPU)")
+    source = resolve(args.model)
+    runners = {}
+    for dtype in (["auto", "bfloat16"] if args.dtype == "both" else [args.dtype]):
+        model, _ = load(source, torch.bfloat16, torch.device("cpu"))
+        quantized = quantized_weights(source, model, torch.bfloat16, torch.device("cpu")) if dtype == "auto" else None
+        runners[dtype] = NativeRunner(model, quantized=quantized)
+        if runners[dtype]._cpu_kernels is None or runners[dtype]._native_decoder() is None:
+            raise SystemExit("this profile needs quickdraft's CPU kernels (an AVX512-BF16 CPU)")
     ids = torch.randint(0, 1000, (args.context + 8,), generator=torch.Generator().manual_seed(0))
-    cache = runner.new_cache()
-    runner.forward(cache, ids[: args.context])
-    hidden = runner.config.hidden_size
+    caches = {}
+    for dtype, runner in runners.items():
+        caches[dtype] = runner.new_cache()
+        runner.forward(caches[dtype], ids[: args.context])
 
-    def forward(n: int, in_cpp: bool) -> None:
+    def forward(runner, cache, n: int, in_cpp: bool) -> None:
         runner.forward(cache, ids[args.context: args.context + n], n, use_decoder=in_cpp)
         cache.rollback(args.context)
 
-    def linears(n: int) -> None:  # every linear layer of a forward on inputs of its shapes, nothing else
-        x = torch.randn(n, hidden, dtype=torch.bfloat16)
+    def linears(runner, n: int) -> None:  # every linear layer of a forward on inputs of its shapes, nothing else
+        x = torch.randn(n, runner.config.hidden_size, dtype=torch.bfloat16)
         for layer in runner.layers:
             layer.qkv(x)
             layer.o(torch.randn(n, layer.o.in_features, dtype=torch.bfloat16))
@@ -51,10 +59,12 @@ def main() -> None:
             layer.down(torch.randn(n, layer.down.in_features, dtype=torch.bfloat16))
         runner.lm_head(x[:n])
 
-    cases = {"forward (C++ layer loop)": lambda n: forward(n, True),
-             "forward (kernels called from Python)": lambda n: forward(n, False),
-             "linear layers alone": linears}
-    times: dict[tuple[str, int], list[float]] = {}
+    cases = {}
+    for dtype, runner in runners.items():
+        cases[(dtype, "forward (C++ layer loop)")] = lambda n, r=runner, c=caches[dtype]: forward(r, c, n, True)
+        cases[(dtype, "forward (kernels called from Python)")] = lambda n, r=runner, c=caches[dtype]: forward(r, c, n, False)
+        cases[(dtype, "linear layers alone")] = lambda n, r=runner: linears(r, n)
+    times: dict[tuple, list[float]] = {}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for name, case in cases.items():
             for n in (1, 8):
@@ -63,13 +73,19 @@ def main() -> None:
                 if round_:
                     times.setdefault((name, n), []).append(time.perf_counter() - start)
     bandwidth = measure_read_bandwidth(torch.device("cpu"))
-    floor = runner.weight_bytes / bandwidth
-    print(f"{args.model}: {runner.weight_bytes / 1e6:.0f} MB of weights, memory read {bandwidth / 1e9:.1f} GB/s, "
-          f"floor {floor * 1e3:.1f} ms; context {args.context}, {args.threads} threads, median of {args.rounds}")
-    for name in cases:
-        one, eight = (statistics.median(times[(name, n)]) for n in (1, 8))
-        print(f"  {name:38s} 1 token {one * 1e3:6.2f} ms ({one / floor:.2f}x floor)   "
-              f"8 tokens {eight * 1e3:6.2f} ms ({eight / one:.2f}x one)")
+    print(f"{args.model}: memory read {bandwidth / 1e9:.1f} GB/s; context {args.context}, {args.threads} threads, "
+          f"median of {args.rounds} interleaved rounds")
+    for dtype, runner in runners.items():
+        floor = runner.weight_bytes / bandwidth
+        kinds = runner.quantized_weights.types() if runner.quantized_weights is not None else {"bf16": "all"}
+        print(f" dtype {dtype}: {runner.weight_bytes / 1e6:.1f} MB of weights streamed a step "
+              f"({', '.join(f'{k} {v}' for k, v in kinds.items())}), floor {floor * 1e3:.2f} ms")
+        for (d, name) in cases:
+            if d != dtype:
+                continue
+            one, eight = (statistics.median(times[((d, name), n)]) for n in (1, 8))
+            print(f"  {name:38s} 1 token {one * 1e3:6.2f} ms ({one / floor:.2f}x floor)   "
+                  f"8 tokens {eight * 1e3:6.2f} ms ({eight / one:.2f}x one)")
 
 
 if __name__ == "__main__":

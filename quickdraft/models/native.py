@@ -115,10 +115,6 @@ class Linear:
             self.scales = scales.to(self.dtype)  # torch's int8 matmul takes scales in the activations' dtype
 
     @property
-    def quantized(self) -> bool:
-        return self.parts is not None
-
-    @property
     def nbytes(self) -> int:
         tensors = [self.weight, self.bias, self.scales] + [p.packed for p in self.parts or ()]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -197,19 +193,16 @@ class Layer:
 
 
 def _fuse(*linears: nn.Linear) -> Linear:
-    weight = torch.cat([l.weight.detach() for l in linears]).contiguous()
-    biases = [l.bias for l in linears]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b.detach() if b is not None else torch.zeros(l.weight.shape[0], dtype=l.weight.dtype, device=l.weight.device)
-         for l, b in zip(linears, biases)])
-    return Linear(weight, bias)
+    return Linear(torch.cat([l.weight.detach() for l in linears]).contiguous(), _fused_bias(linears))
 
 
 def _fused_bias(linears: tuple[nn.Linear, ...]) -> torch.Tensor | None:
+    """The biases of linears fused side by side (zeros for those without one), or None when none has one."""
     biases = [l.bias for l in linears]
     if all(b is None for b in biases):
         return None
-    return torch.cat([b.detach() if b is not None else torch.zeros(l.weight.shape[0], dtype=l.weight.dtype)
+    return torch.cat([b.detach() if b is not None else torch.zeros(l.weight.shape[0], dtype=l.weight.dtype,
+                                                                   device=l.weight.device)
                       for l, b in zip(linears, biases)])
 
 

@@ -260,3 +260,115 @@ def test_static_cache_keeps_its_contents_when_it_grows(dtype):
     a, b = runner.forward(grown, ids[250:], 50), runner.forward(reserved, ids[250:], 50)
     assert grown.capacity >= 300 and reserved.capacity == capacity
     assert torch.equal(a, b)
+
+
+# --- quantized weights (GGUF blocks) on the native runner -------------------------------------------------------
+
+def _quantized_weights(model, types=("Q4_0", "Q5_0", "Q4_1", "Q8_0")):
+    """The model's own weights in GGUF blocks (gguf's quantizer), as models/gguf_weights would read them from a
+    file: each layer's matrices in a different type, the embedding (tied head) in Q8_0."""
+    import gguf
+    import numpy as np
+
+    from quickdraft.kernels import quant
+    from quickdraft.models.gguf_weights import QuantizedWeights
+
+    def blocks(weight, name):
+        qtype = gguf.GGMLQuantizationType[name]
+        raw = gguf.quants.quantize(weight.detach().float().numpy().astype(np.float32), qtype)
+        return quant.pack(quant.decode(raw, int(qtype), weight.shape[1]))
+
+    weights = QuantizedWeights("in-memory")
+    roles = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+    for i, layer in enumerate(model.model.layers):
+        for j, (role, path) in enumerate(roles.items()):
+            weights.layers[(i, role)] = blocks(layer.get_submodule(path).weight, types[(i + j) % len(types)])
+    weights.embedding = blocks(model.model.embed_tokens.weight, "Q8_0")
+    return weights
+
+
+def _dequantized_copy(model, weights):
+    """A float32 model whose weights are exactly the blocks' values (the reference for the quantized runner)."""
+    import copy
+
+    module = cpu_linear()
+    reference = copy.deepcopy(model).float()
+    roles = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+    with torch.no_grad():
+        for (i, role), w in weights.layers.items():
+            reference.model.layers[i].get_submodule(roles[role]).weight.copy_(
+                module.dequantize_rows(w.packed, w.qtype, torch.arange(w.rows), w.cols))
+        table = weights.embedding
+        reference.model.embed_tokens.weight.copy_(
+            module.dequantize_rows(table.packed, table.qtype, torch.arange(table.rows), table.cols))
+    return reference
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["llama16", "gemma16"])
+def test_quantized_runner_runs_the_blocks_and_releases_the_dense_copies(name):
+    model = BUILDS[name](seed=0).to(torch.bfloat16)
+    weights = _quantized_weights(model)
+    reference = _dequantized_copy(model, weights)
+    runner = NativeRunner(model, quantized=weights)
+    assert runner.quantized_weights is weights and runner.embed is None
+    assert all(p.device.type == "meta" for n, p in model.named_parameters() if "proj" in n or "embed" in n)
+    # a step streams the blocks, and the output head: the quantized embedding when tied (Gemma), else its own
+    # (dense here: the weights have no `output` matrix)
+    tied = model.config.tie_word_embeddings
+    head = weights.embedding.nbytes if tied else runner.lm_head.nbytes
+    assert (runner.lm_head.parts is not None) == tied
+    assert runner.weight_bytes == sum(w.nbytes for w in weights.layers.values()) + head
+    prompt = torch.tensor([5, 9, 3, 7, 5, 9, 3, 1, 2])
+    logits = runner.forward(runner.new_cache(), prompt, len(prompt))
+    exact = HFRunner(reference).forward(SequenceCache(), prompt, len(prompt))
+    # bf16 activations against float32 ones: within 3% of the largest logit
+    assert (logits - exact).abs().max() <= 0.03 * exact.abs().max()
+    # verification rows equal single steps bitwise
+    cache = runner.new_cache()
+    runner.forward(cache, prompt[:4])
+    singles = torch.cat([runner.forward(cache, prompt[i:i + 1]) for i in range(4, 9)])
+    cache.rollback(4)
+    assert torch.equal(runner.forward(cache, prompt[4:9], 5), singles)
+
+
+@needs_kernels
+@pytest.mark.parametrize("method", ["ngram", "quantized"])
+def test_quantized_target_greedy_speculative_equals_plain_on_tiny_models(method, monkeypatch):
+    import quickdraft.api
+    from quickdraft.models.runner import make_runner
+
+    model = tiny_llama16(seed=0).to(torch.bfloat16)
+    weights = _quantized_weights(model)
+    # LLM builds its target as it does for a GGUF file kept quantized
+    monkeypatch.setattr(quickdraft.api, "make_runner", lambda m, name, kind, quantized=None:
+                        make_runner(m, name, kind, weights if m is model else quantized))
+    llm = LLM(model, speculative_config={"method": "none"})
+    assert llm.target.quantized_weights is weights
+    prompt = [5, 9, 3, 7, 5, 9, 3, 1, 2, 5, 9]
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    plain = llm.generate({"prompt_token_ids": prompt}, sp)[0].outputs[0].token_ids
+    config = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    if method == "quantized":
+        config["quantization"] = "q4"
+    spec = llm.with_speculative_config(config)
+    out = spec.generate({"prompt_token_ids": prompt}, sp)[0]
+    assert out.outputs[0].token_ids == plain and out.metrics.proposed_tokens > 0
+
+
+@needs_kernels
+def test_q4_self_draft_is_4_bit_and_exact():
+    target = tiny_llama16()
+    full = LLM(target).target
+    q4 = full.quantized("q4")
+    assert all(layer.qkv.parts[0].name == "Q4_1" for layer in q4.layers) and q4.embed is full.embed
+    assert q4.weight_bytes < 0.35 * full.weight_bytes
+    with pytest.raises(QuickdraftError, match="unknown quantization"):
+        full.quantized("q3")
+    from quickdraft.drafts import parse_draft
+
+    assert parse_draft("quantized:q4", 5) == {"method": "quantized", "quantization": "q4", "num_speculative_tokens": 5}
+    with pytest.raises(QuickdraftError, match="quantized:SCHEME"):
+        parse_draft("quantized:fp8", 5)

@@ -452,15 +452,8 @@ class NativeRunner:
     def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_quantized is not None:  # rows read from the quantized table, rounded as a bf16 table's are
             table = self.embed_quantized
-            return self._cpu_kernels.dequantize_rows(table.packed, table.qtype, ids, table.cols).to(self.dtype)
+            return kernels.cpu_linear().dequantize_rows(table.packed, table.qtype, ids, table.cols).to(self.dtype)
         return F.embedding(ids, self.embed)
-
-    @property
-    def embedding_table(self) -> torch.Tensor:
-        """The [vocab, hidden] input embedding (dequantized when it is stored quantized)."""
-        if self.embed_quantized is not None:
-            return self._embedding(torch.arange(self.embed_quantized.rows))
-        return self.embed
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, gemma_style: bool = False) -> torch.Tensor:
         gemma_style = gemma_style or self.family.gemma_norms

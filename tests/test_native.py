@@ -372,3 +372,19 @@ def test_q4_self_draft_is_4_bit_and_exact():
     assert parse_draft("quantized:q4", 5) == {"method": "quantized", "quantization": "q4", "num_speculative_tokens": 5}
     with pytest.raises(QuickdraftError, match="quantized:SCHEME"):
         parse_draft("quantized:fp8", 5)
+
+
+def test_quantized_weights_cache_round_trip(tmp_path):
+    from quickdraft.models import gguf_weights
+
+    weights = _quantized_weights(tiny_gemma16())
+    weights.skipped = {"blk.0.attn_q.weight": "IQ2_XS"}
+    path = tmp_path / "quantized-v1.safetensors"
+    gguf_weights.save(weights, path)
+    back = gguf_weights.load(path)
+    assert back.tied == weights.tied and back.skipped == weights.skipped and back.output is None
+    assert back.layers.keys() == weights.layers.keys()
+    for key, w in weights.layers.items():
+        b = back.layers[key]
+        assert (b.qtype, b.rows, b.cols) == (w.qtype, w.rows, w.cols) and torch.equal(b.packed, w.packed)
+    assert torch.equal(back.embedding.packed, weights.embedding.packed) and back.nbytes == weights.nbytes

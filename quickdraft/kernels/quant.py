@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+LAYOUT_VERSION = 1  # of the packed layout below (cached packed weights of another version are not read)
+
 Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 2, 3, 6, 8, 12, 14
 NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
 # type: (inputs per GGUF block, bytes per GGUF block, inputs per packed super-block, bytes per packed chunk)

@@ -170,7 +170,8 @@ def _conversion_dir(source: ModelSource) -> Path | None:
     if os.environ.get("QUICKDRAFT_NO_CONVERSION_CACHE") or source.gguf_path is None:
         return None
     stat = source.gguf_path.stat()
-    key = hashlib.sha256(f"{source.gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    # v2: conversions are saved from a float32 load (v1 saved whatever dtype loaded first, bf16-rounded at times)
+    key = hashlib.sha256(f"v2|{source.gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     root = Path(os.environ.get("QUICKDRAFT_CACHE", Path.home() / ".cache" / "quickdraft"))
     return root / "converted" / f"{source.gguf_path.stem}-{key}"
 
@@ -222,7 +223,9 @@ def load(source: ModelSource, dtype: torch.dtype, device: torch.device, trust_re
             model = AutoModelForCausalLM.from_pretrained(converted, **kwargs)
             tokenizer = _load_tokenizer(converted, None, trust_remote_code)
         else:
-            model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, **kwargs)
+            # The conversion cache holds the exact dequantised weights (float32), whatever dtype asked first.
+            load_kwargs = {**kwargs, "dtype": torch.float32} if converted is not None else kwargs
+            model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, **load_kwargs)
             tokenizer = _load_tokenizer(source.path, source.gguf_file, trust_remote_code, offline)
             if converted is not None:
                 _save_conversion(model, tokenizer, converted)
@@ -247,10 +250,12 @@ def quantized_weights(source: ModelSource, model, dtype: torch.dtype, device: to
 
     if source.gguf_path is None or device.type != "cpu" or dtype != torch.bfloat16 or kernels.cpu_linear() is None:
         return None
+    from quickdraft.kernels import quant
     from quickdraft.models import gguf_weights
 
     converted = _conversion_dir(source)
-    cached = converted / "quantized.safetensors" if converted is not None else None
+    # The file name carries the packed layout's version: a cache written by another layout is not read.
+    cached = converted / f"quantized-v{quant.LAYOUT_VERSION}.safetensors" if converted is not None else None
     if cached is not None and cached.is_file():
         try:
             return gguf_weights.load(cached)

@@ -19,11 +19,12 @@ from quickdraft.drafts.none import NoDraft
 from quickdraft.drafts.quantized import QuantizedSelfProposer
 from quickdraft.drafts.suffix import SuffixProposer
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.native import QUANTIZATION_SCHEMES
 
 PROPOSERS: dict[str, type[Proposer]] = {cls.name: cls for cls in (
     NoDraft, NgramProposer, DraftModelProposer, LayerSkipProposer, QuantizedSelfProposer, SuffixProposer)}
 METHODS = tuple(PROPOSERS)
-QUANTIZATIONS = ("int8", "q4")
+QUANTIZATIONS = QUANTIZATION_SCHEMES  # what NativeRunner.quantized builds
 ACCEPTANCES = ("exact", "relaxed")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 

@@ -4,8 +4,9 @@ the quantized CPU kernels).
 
 It reads about half (int8) or 0.31x (q4) the bytes of a bf16 target per token and agrees with it on most
 tokens, since it is the same model up to rounding of its weights. (Of a target already kept at 4-5 bits, a
-GGUF model with dtype auto, it is about as dear as the target: adaptive K then stops drafting.) Verification by the unquantized target keeps the output exactly
-the target's: quantization here changes only the speed, never the text."""
+GGUF model with dtype auto, it is about as dear as the target: adaptive K then stops drafting.) Verification
+by the unquantized target keeps the output exactly the target's: quantization here changes only the speed,
+never the text."""
 
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& w, const 
 torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                            const std::vector<int64_t>& types);
 torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& rows, int64_t K);
-std::vector<int64_t> quant_layout(int64_t type);
 torch::Tensor attention(const torch::Tensor& q, int64_t num_q_heads, const torch::Tensor& keys,
                         const torch::Tensor& values, int64_t start, int64_t window, double scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool llama_style);
@@ -180,7 +179,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_quant", &linear_quant, "y = x [W_0; W_1; ...]^T on GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, "
         "Q4_K, Q6_K) packed by quickdraft.kernels.quant, batch-invariant");
   m.def("dequantize_rows", &dequantize_rows, "rows of a packed quantized weight as float32 (the embedding lookup)");
-  m.def("quant_layout", &quant_layout, "(inputs per super-block, bytes per chunk) of a quantization type");
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, double, double, bool, bool>())
       .def("add_layer", &Decoder::add_layer)

@@ -284,40 +284,33 @@ void groups(const int32_t* x, int64_t M, int64_t half_k, const float* xsum, int6
   }
 }
 
+// Calls f(Q{}) with the kernel policy of a GGML type: the one place a type id becomes its code.
+template <class F>
+decltype(auto) dispatch(int64_t type, F&& f) {
+  switch (type) {
+    case kQ4_0: return f(Q4_0{});
+    case kQ4_1: return f(Q4_1{});
+    case kQ5_0: return f(Q5_0{});
+    case kQ8_0: return f(Q8_0{});
+    case kQ4_K: return f(Q4_K{});
+    case kQ6_K: return f(Q6_K{});
+    default: TORCH_CHECK(false, "unsupported quantization type ", type, " (supported: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)");
+  }
+  return f(Q4_0{});  // not reached
+}
+
 struct Part {
   const uint8_t* w;
   int64_t type, groups, column;  // column: its first output in y
 };
 
-void run_groups(const Part& part, const int32_t* x, int64_t M, int64_t half_k, const float* xsum, int64_t xs,
-                int64_t g0, int64_t g1, c10::BFloat16* y, int64_t ldy) {
-  c10::BFloat16* yp = y + part.column;
-  switch (part.type) {
-    case kQ4_0: return groups<Q4_0>(x, M, half_k, xsum, xs, part.w, g0, g1, yp, ldy);
-    case kQ4_1: return groups<Q4_1>(x, M, half_k, xsum, xs, part.w, g0, g1, yp, ldy);
-    case kQ5_0: return groups<Q5_0>(x, M, half_k, xsum, xs, part.w, g0, g1, yp, ldy);
-    case kQ8_0: return groups<Q8_0>(x, M, half_k, xsum, xs, part.w, g0, g1, yp, ldy);
-    case kQ4_K: return groups<Q4_K>(x, M, half_k, xsum, xs, part.w, g0, g1, yp, ldy);
-    case kQ6_K: return groups<Q6_K>(x, M, half_k, xsum, xs, part.w, g0, g1, yp, ldy);
-    default: TORCH_CHECK(false, "unsupported quantization type ", part.type);
-  }
-}
-
 struct TypeInfo {
   int64_t sb, chunk;
+  bool mins;
 };
 
 TypeInfo info(int64_t type) {
-  switch (type) {
-    case kQ4_0: return {Q4_0::SB, Q4_0::kChunk};
-    case kQ4_1: return {Q4_1::SB, Q4_1::kChunk};
-    case kQ5_0: return {Q5_0::SB, Q5_0::kChunk};
-    case kQ8_0: return {Q8_0::SB, Q8_0::kChunk};
-    case kQ4_K: return {Q4_K::SB, Q4_K::kChunk};
-    case kQ6_K: return {Q6_K::SB, Q6_K::kChunk};
-    default: TORCH_CHECK(false, "unsupported quantization type ", type, " (supported: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)");
-  }
-  return {0, 0};
+  return dispatch(type, [](auto q) { using Q = decltype(q); return TypeInfo{Q::SB, Q::kChunk, Q::kMin}; });
 }
 
 void check_weight(const torch::Tensor& w, int64_t type, int64_t K) {
@@ -349,7 +342,7 @@ torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tens
     parts.push_back({weights[i].data_ptr<uint8_t>(), types[i], weights[i].size(0), N});
     N += weights[i].size(0) * 16;
     total_groups += weights[i].size(0);
-    mins = mins || types[i] == kQ4_1 || types[i] == kQ4_K;
+    mins = mins || info(types[i]).mins;
   }
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
@@ -372,7 +365,10 @@ torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tens
     int64_t base = 0;
     for (const Part& part : parts) {
       const int64_t lo = std::max(begin, base), hi = std::min(end, base + part.groups);
-      if (lo < hi) run_groups(part, xp, M, half_k, xsum.data(), blocks, lo - base, hi - base, yp, N);
+      if (lo < hi)
+        dispatch(part.type, [&](auto q) {
+          groups<decltype(q)>(xp, M, half_k, xsum.data(), blocks, part.w, lo - base, hi - base, yp + part.column, N);
+        });
       base += part.groups;
     }
   });
@@ -383,7 +379,6 @@ torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tens
 torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& rows, int64_t K) {
   check_weight(w, type, K);
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be a 1-d int64 tensor");
-  const TypeInfo t = info(type);
   const auto r = rows.contiguous();
   const int64_t n = r.size(0), N = w.size(0) * 16;
   auto out = torch::empty({n, K}, torch::dtype(torch::kFloat32));
@@ -392,32 +387,20 @@ torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch:
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "row ", rp[i], " out of range for a weight of ", N, " rows");
-  const int64_t super_blocks = K / t.sb;
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = rp[i], g = row / 16;
-      const int nn = static_cast<int>(row % 16);
-      for (int64_t b = 0; b < super_blocks; ++b) {
-        const uint8_t* c = wp + (g * super_blocks + b) * t.chunk;
-        float* o = op + i * K + b * t.sb;
-        for (int k = 0; k < t.sb; ++k) {
-          switch (type) {
-            case kQ4_0: o[k] = Q4_0::value(c, nn, k); break;
-            case kQ4_1: o[k] = Q4_1::value(c, nn, k); break;
-            case kQ5_0: o[k] = Q5_0::value(c, nn, k); break;
-            case kQ8_0: o[k] = Q8_0::value(c, nn, k); break;
-            case kQ4_K: o[k] = Q4_K::value(c, nn, k); break;
-            case kQ6_K: o[k] = Q6_K::value(c, nn, k); break;
-          }
+  dispatch(type, [&](auto q) {
+    using Q = decltype(q);
+    const int64_t super_blocks = K / Q::SB;
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t row = rp[i], g = row / 16;
+        const int nn = static_cast<int>(row % 16);
+        for (int64_t b = 0; b < super_blocks; ++b) {
+          const uint8_t* c = wp + (g * super_blocks + b) * Q::kChunk;
+          float* o = op + i * K + b * Q::SB;
+          for (int k = 0; k < Q::SB; ++k) o[k] = Q::value(c, nn, k);
         }
       }
-    }
+    });
   });
   return out;
-}
-
-// Bytes of a packed chunk and the super-block size of a type (for the Python packer's checks).
-std::vector<int64_t> quant_layout(int64_t type) {
-  const TypeInfo t = info(type);
-  return {t.sb, t.chunk};
 }

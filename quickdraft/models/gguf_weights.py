@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,17 +47,19 @@ class QuantizedWeights:
     def get(self, layer: int, role: str) -> QuantizedWeight | None:
         return self.layers.get((layer, role))
 
+    def named(self) -> dict[str, QuantizedWeight]:
+        """Every matrix by a name: layers.I.ROLE, embedding, output (the names the cache file uses)."""
+        named = {f"layers.{i}.{role}": w for (i, role), w in self.layers.items()}
+        named.update({name: w for name, w in (("embedding", self.embedding), ("output", self.output)) if w})
+        return named
+
     @property
     def nbytes(self) -> int:
-        tensors = list(self.layers.values()) + [t for t in (self.embedding, self.output) if t is not None]
-        return sum(t.nbytes for t in tensors)
+        return sum(w.nbytes for w in self.named().values())
 
     def types(self) -> dict[str, int]:
         """How many matrices of each type (for reports)."""
-        counts: dict[str, int] = {}
-        for t in list(self.layers.values()) + [t for t in (self.embedding, self.output) if t is not None]:
-            counts[t.name] = counts.get(t.name, 0) + 1
-        return counts
+        return dict(Counter(w.name for w in self.named().values()))
 
 
 def save(weights: QuantizedWeights, path: Path) -> None:
@@ -65,9 +68,7 @@ def save(weights: QuantizedWeights, path: Path) -> None:
 
     tensors, meta = {}, {"path": weights.path, "tied": str(weights.tied), "skipped": ",".join(
         f"{k}={v}" for k, v in weights.skipped.items())}
-    named = {f"layers.{i}.{role}": w for (i, role), w in weights.layers.items()}
-    named.update({name: w for name, w in (("embedding", weights.embedding), ("output", weights.output)) if w})
-    for name, w in named.items():
+    for name, w in weights.named().items():
         tensors[name] = w.packed
         meta[name] = f"{w.qtype},{w.rows},{w.cols}"
     tmp = path.with_name(path.name + ".tmp")

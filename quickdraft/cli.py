@@ -363,10 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_serve_parser(sub)
     add_batch_parser(sub)
-    from quickdraft.tools import check, tune
+    from quickdraft.tools import check, distill, tune
 
     check.add_parser(sub)
     tune.add_parser(sub)
+    distill.add_parser(sub)
     try:
         from quickdraft.bench.cli import add_bench_parser
     except ImportError:

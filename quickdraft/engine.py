@@ -129,11 +129,21 @@ class Engine:
             caches.append(cache)
             histories.append(len(history))
             feeds.append(torch.cat([torch.tensor(history[start:], dtype=torch.long, device=self.device), draft]))
-        logits = self.target.forward_batch(caches, feeds, [k + 1 for k in ks])  # [sum(k_i + 1), V]
+        hidden = None
+        if self.proposer.uses_target_features:  # the same forward also gives every row's final hidden state
+            logits, hidden = self.target.forward_batch(caches, feeds, [k + 1 for k in ks], return_hidden=True)
+        else:
+            logits = self.target.forward_batch(caches, feeds, [k + 1 for k in ks])  # [sum(k_i + 1), V]
         t2 = time.perf_counter()
 
         n_tokens = self._verify_batch(seqs, logits, drafts, proposals)
         t3 = time.perf_counter()
+        if hidden is not None:  # [sum(n_i), hidden]: hand each sequence the features of its committed positions
+            row = 0
+            for seq, feed, k, length, (n, _) in zip(seqs, feeds, ks, histories, n_tokens):
+                start = length - (int(feed.numel()) - k)  # the target position of the feed's first row
+                self.proposer.observe(seq, start, hidden[row: row + length + n - start])
+                row += int(feed.numel())
 
         if self.adaptive_k:
             caught_up = any(proposal.catch_up for proposal in proposals)

@@ -8,7 +8,8 @@ P(y1..y5), is enumerated over its 4^5 = 1024 cells from the transformers model i
 quickdraft.sampling.process (penalties, then temperature, top-k, top-p, min-p), and the engine's samples are
 compared with it by chi-square tests.
 
-Covered: draft_model and ngram drafts; rejection sampling (no seed; driven through the engine's batched
+Covered: draft_model, ngram and eagle drafts (eagle: a head over a reduced vocabulary, so q is zero at a token
+the target may draw); rejection sampling (no seed; driven through the engine's batched
 step, batches mixing prompts and sequences drafting 1-3 tokens) and position-keyed noise (a request seed;
 through LLM.generate with n = N); plain sampling at temperature 0.7, and temperature 1.3 with repetition,
 presence and frequency penalties and top-k, top-p and min-p, each of which cuts tokens at many prefixes.
@@ -47,7 +48,7 @@ T = 5  # tokens per sample: the prompt's step gives 1, then a step with k = min(
 K = 3
 # Samples per test. N-gram completions are cheaper, and its steps that accept all of 2 or 3 drafts rarer:
 # it needs more samples to see a bug in the bonus (power 0.96 at 1500, 1.0 at 2000).
-N = {"draft_model": 1100, "ngram": 2000}
+N = {"draft_model": 1100, "ngram": 2000, "eagle": 1100}
 ALPHA = 1e-4
 REQUEST_SEED = 1234
 GENERATOR_SEED = 99
@@ -64,6 +65,8 @@ SETTINGS = {
 PROMPTS = {
     ("draft_model", "t0.7"): [1, 2, 0, 1, 2],
     ("draft_model", "t1.3-penalties-topk-topp-minp"): [1, 2, 0, 1, 2],
+    ("eagle", "t0.7"): [1, 2, 0, 1, 2],
+    ("eagle", "t1.3-penalties-topk-topp-minp"): [1, 2, 0, 1, 2],
     ("ngram", "t0.7"): [0, 1, 3, 3, 3, 2],
     ("ngram", "t1.3-penalties-topk-topp-minp"): [1, 2, 2, 3, 1, 2, 0, 3],
 }
@@ -230,10 +233,31 @@ def _setup(method: str, setting: str):
     return prompt, tables, law, _LawTest(law, N[method])
 
 
+@functools.lru_cache(maxsize=None)
+def _eagle_head() -> str:
+    """An EAGLE head for the target (random, its logits sharpened) over 3 of the 4 tokens: q is zero at token 2,
+    which the target still verifies and draws."""
+    import tempfile
+
+    from quickdraft.drafts.eagle import new_head
+
+    target = LLM(_models()[0], dtype="float32", device="cpu", speculative_config={"method": "none"}).target
+    head = new_head(target, torch.tensor([0, 1, 3]), seed=3)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.requires_grad and p.dim() > 1:
+                p.mul_(8.0)
+    directory = tempfile.mkdtemp(prefix="quickdraft-law-eagle-")
+    head.save(directory)
+    return directory
+
+
 def _config(method: str) -> dict:
     config = {"method": method, "num_speculative_tokens": K, "adaptive": False}
     if method == "draft_model":
         config["model"] = _models()[1]
+    elif method == "eagle":
+        config.update(model=_eagle_head(), eagle_lookup=False)
     else:
         config.update(NGRAM)
     return config
@@ -282,7 +306,7 @@ def assert_follows_law(test: "_LawTest", samples, metrics, steps, n: int, label:
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle"])
 @pytest.mark.parametrize("seeding", ["rejection", "request-seed"])
 def test_five_speculative_tokens_follow_the_target_law(seeding, method, setting):
     """N (1100 or 2000) completions of T = 5 tokens with a fixed K = 3 fit the exact joint law (8 chi-square

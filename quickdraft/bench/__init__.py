@@ -7,7 +7,7 @@ so that building the command line parser costs nothing.
 """
 
 DEFAULT_METHODS = "none,ngram,hf,hf-lookup"
-METHOD_HELP = "none, ngram, suffix, layers:N, quantized[:int8|q4], a draft MODEL, hf, hf-lookup, hf-assist:MODEL, llamacpp, llamacpp-lookup"
+METHOD_HELP = "none, ngram, suffix, eagle[:HEAD_DIR], layers:N, quantized[:int8|q4], a draft MODEL, hf, hf-lookup, hf-assist:MODEL, llamacpp, llamacpp-lookup"
 
 __all__ = ["BenchConfig", "run_bench", "METHOD_HELP"]
 

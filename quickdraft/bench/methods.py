@@ -62,7 +62,12 @@ def _check_model(model: str, method: str) -> None:
 
 
 def parse_method(name: str) -> MethodSpec:
-    if name in ("none", "ngram", "suffix", "quantized", "quantized:int8", "quantized:q4"):
+    if name in ("none", "ngram", "suffix", "quantized", "quantized:int8", "quantized:q4", "eagle"):
+        return MethodSpec(name, "quickdraft", name)
+    if name.startswith("eagle:"):
+        if not name.split(":", 1)[1]:
+            raise QuickdraftError("method 'eagle:' needs a head directory, e.g. eagle:heads/smollm2 (or plain "
+                                  "eagle for the shipped head)")
         return MethodSpec(name, "quickdraft", name)
     if name.startswith("layers:"):
         value = name.split(":", 1)[1]

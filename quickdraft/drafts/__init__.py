@@ -13,6 +13,7 @@ from typing import Any
 
 from quickdraft.drafts.base import DraftContext, LoadedDraft, Proposal, Proposer
 from quickdraft.drafts.draft_model import DraftModelProposer
+from quickdraft.drafts.eagle import EagleProposer
 from quickdraft.drafts.layer_skip import LayerSkipProposer
 from quickdraft.drafts.ngram import NgramProposer
 from quickdraft.drafts.none import NoDraft
@@ -22,7 +23,8 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.models.native import QUANTIZATION_SCHEMES
 
 PROPOSERS: dict[str, type[Proposer]] = {cls.name: cls for cls in (
-    NoDraft, NgramProposer, DraftModelProposer, LayerSkipProposer, QuantizedSelfProposer, SuffixProposer)}
+    NoDraft, NgramProposer, DraftModelProposer, LayerSkipProposer, QuantizedSelfProposer, SuffixProposer,
+    EagleProposer)}
 METHODS = tuple(PROPOSERS)
 QUANTIZATIONS = QUANTIZATION_SCHEMES  # what NativeRunner.quantized builds
 ACCEPTANCES = ("exact", "relaxed")
@@ -33,14 +35,18 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 class SpeculativeConfig:
     """vLLM-style speculative configuration.
 
-    method: none | ngram | draft_model | layer_skip | quantized | suffix (inferred as draft_model when only
-        `model` is given). `quantized` drafts with the target's own weights quantized to `quantization`.
+    method: none | ngram | draft_model | layer_skip | quantized | suffix | eagle (inferred as draft_model when
+        only `model` is given). `quantized` drafts with the target's own weights quantized to `quantization`.
+        `eagle` drafts with a head trained on the target's hidden states (`model`: the head's directory, written
+        by `quickdraft distill`; default: the head shipped for the target, drafts/eagle.py).
     num_speculative_tokens: K, the draft length per step (the largest K when adaptive).
     adaptive: pick K per request and step from the measured acceptance and forward costs, down to plain
         decoding where speculation would lose (K=0). False: always propose num_speculative_tokens.
     model: the draft model for draft_model (alias, .gguf, directory, hub id or a loaded model). A draft with
         another tokenizer than the target's drafts over the two vocabularies' intersection (exact:
         drafts/cross_vocab.py).
+    eagle_lookup: eagle takes the suffix lookup's draft instead of the head's where it confidently fills all K
+        positions (the answer copies text), so it is not worse than lookups on copying; False: the head only.
     tokenizer: the draft model's tokenizer, when `model` is a model object (a loaded model has none of its own).
     num_layers: how many of the target's layers layer_skip keeps.
     quantization: weight-only quantization of the draft: int8 (the default for `quantized`) or q4 (4-bit codes,
@@ -70,6 +76,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_tokens: int = 1 << 18
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    eagle_lookup: bool = True
     tokenizer: Any = None
     acceptance: str = "exact"
     threshold: float | None = None
@@ -88,7 +95,7 @@ class SpeculativeConfig:
             self.quantization = "int8"
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise QuickdraftError(f"unknown quantization {self.quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
-        if self.quantization is not None and self.method in ("none", "ngram", "suffix"):
+        if self.quantization is not None and self.method in ("none", "ngram", "suffix", "eagle"):
             raise QuickdraftError(f"quantization applies to model drafts; method {self.method!r} has no weights")
         if self.acceptance not in ACCEPTANCES:
             raise QuickdraftError(f"unknown acceptance {self.acceptance!r}; use 'exact' (lossless, the default) or "
@@ -101,6 +108,8 @@ class SpeculativeConfig:
         elif self.threshold is not None:
             raise QuickdraftError("threshold applies to acceptance 'relaxed' only (a lossy mode); exact verification "
                                   "has no threshold")
+        if not isinstance(self.eagle_lookup, bool):
+            raise QuickdraftError(f"eagle_lookup must be true or false, got {self.eagle_lookup!r}")
         if not isinstance(self.adaptive, bool):
             raise QuickdraftError(f"adaptive must be true or false, got {self.adaptive!r}")
         if self.method == "layer_skip" and not (isinstance(self.num_layers, int) and self.num_layers >= 1):
@@ -174,12 +183,14 @@ def build_proposer(config: SpeculativeConfig, context: DraftContext) -> Proposer
 
 
 def parse_draft(draft: str, k: int) -> dict[str, Any]:
-    """The command line's --draft: ngram | suffix | layers:N | quantized[:int8|q4] | none | a draft MODEL -> a
-    speculative_config."""
+    """The command line's --draft: ngram | suffix | eagle[:HEAD_DIR] | layers:N | quantized[:int8|q4] | none | a
+    draft MODEL -> a speculative_config."""
     if draft == "none":
         return {"method": "none"}
-    if draft in ("ngram", "suffix", "quantized"):
+    if draft in ("ngram", "suffix", "quantized", "eagle"):
         return {"method": draft, "num_speculative_tokens": k}
+    if draft.startswith("eagle:"):
+        return {"method": "eagle", "model": draft.split(":", 1)[1], "num_speculative_tokens": k}
     if draft.startswith("quantized:"):
         scheme = draft.split(":", 1)[1]
         if scheme not in QUANTIZATIONS:
@@ -195,4 +206,5 @@ def parse_draft(draft: str, k: int) -> dict[str, Any]:
 
 __all__ = ["METHODS", "PROPOSERS", "SpeculativeConfig", "DraftContext", "LoadedDraft", "Proposal", "Proposer", "NoDraft",
            "NgramProposer", "DraftModelProposer", "LayerSkipProposer", "QuantizedSelfProposer", "SuffixProposer",
+           "EagleProposer",
            "build_proposer", "parse_draft"]

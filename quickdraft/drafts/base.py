@@ -60,6 +60,9 @@ class Proposer(ABC):
 
     name: str = "proposer"
     runs_a_model: bool = False  # drafts cost forwards (batched per draft position), not lookups
+    # Reads the target's final hidden states (EAGLE): the engine then asks the target's forward for them and
+    # hands each sequence's committed rows to `observe`.
+    uses_target_features: bool = False
 
     def __init__(self) -> None:
         self.forwards = 0  # draft model calls, for metrics
@@ -87,6 +90,10 @@ class Proposer(ABC):
 
     def new_state(self, seq: "Sequence") -> Any:
         return None
+
+    def observe(self, seq: "Sequence", start: int, features: torch.Tensor) -> None:
+        """The target's final hidden states [n, hidden] of seq's committed positions start..start+n-1, from the
+        step's verification forward (only called when uses_target_features)."""
 
     def max_draft_tokens(self, seq: "Sequence") -> int:
         """The most tokens this proposer can draft for `seq` now (a draft model's context may end first)."""

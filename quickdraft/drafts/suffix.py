@@ -615,17 +615,20 @@ class SuffixProposer(Proposer):
     def max_draft_tokens(self, seq) -> int:
         """Index the tokens committed since the last call and draft: the draft's length (0: no confident
         match), so that the engine's K for this step knows it. The draft is kept for `propose`."""
-        self._settle()
         state = self._state(seq)
+        draft = self.lookup(state, seq, self.max_spec_tokens)
+        state.draft, state.at = draft, len(seq.token_ids)
+        return len(draft)
+
+    def lookup(self, state: _SuffixState, seq, max_tokens: int) -> list[int]:
+        """Index what `seq` committed since the last call and return its draft of at most max_tokens (empty: no
+        confident match). `state` is this proposer's state for seq (another proposer may hold it: eagle)."""
+        self._settle()
         self._sync(state, seq)
         doc = state.doc
         if seq.params.num_speculative_tokens == 0 or doc.active is None or len(doc.tokens) != len(seq.token_ids):
-            draft = []
-        else:
-            draft = self.index.speculate(doc, self.max_spec_tokens, self.max_spec_factor, self.min_token_prob,
-                                         self.unseen_prior)
-        state.draft, state.at = draft, len(seq.token_ids)
-        return len(draft)
+            return []
+        return self.index.speculate(doc, max_tokens, self.max_spec_factor, self.min_token_prob, self.unseen_prior)
 
     def propose(self, seq, k: int) -> Proposal:
         state = self._state(seq)

@@ -163,6 +163,13 @@ class Linear:
             return self.int8()  # the 4-bit kernels need K % 32 == 0 and AVX512-BF16; int8 elsewhere
         return Linear(None, self.bias, dtype=self.dtype, parts=[quant.pack(quant.quantize_q4_1(self.dense()))])
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the [N, K] weight in float32 (dequantised; only those rows are widened)."""
+        if self.parts is not None and len(self.parts) == 1:
+            p = self.parts[0]
+            return self._kernels.dequantize_rows(p.packed, p.qtype, ids.cpu(), p.cols).float()
+        return self.dense()[ids].float()
+
     def dense(self) -> torch.Tensor:
         """The [N, K] weight (unpacked; dequantised in float32 when int8 or quantized)."""
         if self.parts is not None:
@@ -555,9 +562,20 @@ class NativeRunner:
         loop in Python even where the C++ loop could (the same kernels, so the same bits; for tests)."""
         return self.forward_batch([cache], [tokens], [num_logits], use_decoder=use_decoder)
 
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of token ids [n] as the first layer reads them (Gemma's scale applied),
+        [n, hidden] in the model's dtype: what an EAGLE head pairs with the target's features."""
+        x = self._embedding(ids.to(self.device))
+        return x * self.embed_scale if self.embed_scale is not None else x
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
     @torch.inference_mode()
     def forward_batch(self, caches: list[StaticSequenceCache], tokens: list[torch.Tensor], num_logits: list[int],
-                      use_decoder: bool = True) -> torch.Tensor:
+                      use_decoder: bool = True, inputs_embeds: list[torch.Tensor] | None = None,
+                      return_hidden: bool = False):
         """One forward over several sequences (continuous batching): sequence i appends tokens[i] [n_i]
         (n_i >= 1) at positions len(caches[i]).., and the result is the float32 logits of the last
         num_logits[i] (0..n_i) inputs of each sequence, concatenated in order: [sum(num_logits), V].
@@ -566,17 +584,27 @@ class NativeRunner:
         are read once per step for the whole batch); rotary embedding, the cache write and attention run per
         sequence, on its own cache, positions and window. On the CPU kernels every row is computed alike
         whatever the other rows, so each sequence's logits and cache are bitwise those of `forward` on it
-        alone (int8 linear layers: while the batch has fewer than 32 rows, see kernels/cpu_linear.cpp)."""
+        alone (int8 linear layers: while the batch has fewer than 32 rows, see kernels/cpu_linear.cpp).
+
+        inputs_embeds: the first layer's input rows [n_i, hidden] per sequence instead of the tokens' embeddings
+        (an EAGLE head's fused features; the tokens are still what the caches record).
+        return_hidden: also return every input row's final hidden state after the final norm (what the output
+        layer reads; EAGLE's features), [sum(n_i), hidden] in the model's dtype: (logits, hidden)."""
         flat = check_batch(self, caches, tokens, num_logits)  # before any cache changes
+        if inputs_embeds is not None and [int(e.shape[0]) for e in inputs_embeds] != [int(t.shape[0]) for t in flat]:
+            raise QuickdraftError(f"{self.name}: inputs_embeds must give one row per token of each sequence")
         counts = [ids.shape[0] for ids in flat]
         starts = [len(cache) for cache in caches]
         ends = [start + count for start, count in zip(starts, counts)]
         ids = (flat[0] if len(flat) == 1 else torch.cat(flat)).to(self.device)  # [num_tokens]
         for cache, end in zip(caches, ends):
             cache.reserve(end)
-        x = self._embedding(ids)  # [num_tokens, hidden]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
+        if inputs_embeds is not None:
+            x = (inputs_embeds[0] if len(inputs_embeds) == 1 else torch.cat(inputs_embeds)).to(self.dtype).contiguous()
+        else:
+            x = self._embedding(ids)  # [num_tokens, hidden]
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
         decoder = self._native_decoder() if use_decoder else None
         if decoder is not None:
             decoder, kinds = decoder
@@ -589,6 +617,9 @@ class NativeRunner:
         for cache, part in zip(caches, ids.split(counts) if len(caches) > 1 else (ids,)):
             cache.record(part)
         self.forwards += 1
+        hidden = None
+        if return_hidden:  # every row normed (a row is normed alike alone or among others), then selected
+            x = hidden = self._norm(x.contiguous(), self.final_norm)  # [num_tokens, hidden]
         # The final norm and the output head on the selected rows only: the last num_logits[i] of sequence i.
         if len(caches) == 1:
             rows = x[counts[0] - int(num_logits[0]):]
@@ -598,8 +629,11 @@ class NativeRunner:
                 bounds.append(bounds[-1] + count)
             rows = torch.cat([x[hi - int(k):hi] for hi, k in zip(bounds[1:], num_logits)])
         if rows.shape[0] == 0:
-            return torch.zeros((0, self.vocab_size), dtype=torch.float32, device=self.device)
-        logits = self.lm_head(self._norm(rows.contiguous(), self.final_norm)).float()  # [sum(num_logits), vocab]
+            logits = torch.zeros((0, self.vocab_size), dtype=torch.float32, device=self.device)
+            return (logits, hidden) if return_hidden else logits
+        if hidden is None:
+            rows = self._norm(rows.contiguous(), self.final_norm)
+        logits = self.lm_head(rows.contiguous()).float()  # [sum(num_logits), vocab]
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return (logits, hidden) if return_hidden else logits

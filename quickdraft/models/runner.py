@@ -51,9 +51,17 @@ class Runner(Protocol):
     def forward(self, cache: SequenceCache, tokens: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
         """Append tokens [n] to the sequence; float32 logits of the last num_logits inputs [num_logits, V]."""
 
+    @property
+    def hidden_size(self) -> int: ...
+
     def forward_batch(self, caches: list[SequenceCache], tokens: list[torch.Tensor],
-                      num_logits: list[int]) -> torch.Tensor:
-        """Several sequences in one step; their logits concatenated in order, [sum(num_logits), V]."""
+                      num_logits: list[int], return_hidden: bool = False):
+        """Several sequences in one step; their logits concatenated in order, [sum(num_logits), V]. With
+        return_hidden, (logits, hidden): every input row's last hidden state after the final norm (the output
+        layer's input; what an EAGLE head reads), [sum(n_i), hidden], at no extra forward."""
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [n] -> the input embeddings the first layer reads, [n, hidden]."""
 
     def truncated(self, num_layers: int) -> "Runner":
         """The first num_layers layers, final norm and head, sharing this runner's weights (a self-draft)."""
@@ -112,30 +120,61 @@ class HFRunner:
         raise QuickdraftError(f"{self.name}: quantization {scheme!r} needs the native runner, which this "
                               "architecture lacks; drop the quantization or pick another draft")
 
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():  # Gemma's embedding module applies its scale itself
+            return self.model.get_input_embeddings()(ids.to(self.device))
+
+    def _final_norm(self) -> nn.Module:
+        inner = getattr(self.model, getattr(self.model, "base_model_prefix", "model"), None)
+        norm = getattr(inner, "norm", None)
+        if not isinstance(norm, nn.Module):
+            raise QuickdraftError(f"{self.name}: {type(self.model).__name__} has no final norm module "
+                                  "(`.model.norm`) to read hidden states from; EAGLE drafts cannot run on it")
+        return norm
+
     @torch.inference_mode()
-    def forward(self, cache: SequenceCache, tokens: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
+    def forward(self, cache: SequenceCache, tokens: torch.Tensor, num_logits: int = 1,
+                return_hidden: bool = False):
         """Append `tokens` [n] at positions len(cache)... and return the logits of the last `num_logits`
-        inputs, [num_logits, V] in float32. Row j is the next-token distribution after input n-num_logits+j."""
+        inputs, [num_logits, V] in float32. Row j is the next-token distribution after input n-num_logits+j.
+        return_hidden: (logits, hidden [n, hidden]), the final norm's output for every input row."""
         tokens = tokens.reshape(1, -1).to(self.device)
         if len(cache) + tokens.shape[1] > self.max_len:
             raise QuickdraftError(f"{self.name}: sequence of {len(cache) + tokens.shape[1]} tokens exceeds the "
                                   f"context of {self.max_len}; shorten the prompt or max_tokens")
-        out = self.model(input_ids=tokens, use_cache=True, logits_to_keep=num_logits, **{self._cache_kwarg: cache.kv})
+        captured = []
+        hook = self._final_norm().register_forward_hook(lambda m, i, o: captured.append(o)) if return_hidden else None
+        try:
+            out = self.model(input_ids=tokens, use_cache=True, logits_to_keep=num_logits,
+                             **{self._cache_kwarg: cache.kv})
+        finally:
+            if hook is not None:
+                hook.remove()
         cache.record(tokens)
         self.forwards += 1
-        return out.logits[0, -num_logits:].float()
+        logits = out.logits[0, -num_logits:].float()
+        return (logits, captured[-1][0]) if return_hidden else logits
 
     def forward_batch(self, caches: list[SequenceCache], tokens: list[torch.Tensor],
-                      num_logits: list[int]) -> torch.Tensor:
+                      num_logits: list[int], return_hidden: bool = False):
         """forward over several sequences, as NativeRunner.forward_batch: sequence i appends tokens[i] [n_i]
         and gives the logits of its last num_logits[i] inputs; returns them concatenated in order,
-        [sum(num_logits), V] float32. Here one model call per sequence (batch 1 behind the batched interface)."""
+        [sum(num_logits), V] float32 (with return_hidden, and every row's final hidden state [sum(n_i), hidden]).
+        Here one model call per sequence (batch 1 behind the batched interface)."""
         flat = check_batch(self, caches, tokens, num_logits)
-        parts = []
+        parts, hiddens = [], []
         for cache, ids, k in zip(caches, flat, num_logits):
-            logits = self.forward(cache, ids, max(int(k), 1))  # [max(k, 1), vocab]: transformers reads 0 as "all"
+            out = self.forward(cache, ids, max(int(k), 1), return_hidden)  # transformers reads 0 as "all"
+            logits = out[0] if return_hidden else out  # [max(k, 1), vocab]
             parts.append(logits[logits.shape[0] - int(k):])  # [k, vocab]
-        return torch.cat(parts)  # [sum(num_logits), vocab]
+            if return_hidden:
+                hiddens.append(out[1])
+        logits = torch.cat(parts)  # [sum(num_logits), vocab]
+        return (logits, torch.cat(hiddens)) if return_hidden else logits
 
 
 def check_batch(runner, caches: list, tokens: list, num_logits: list) -> list[torch.Tensor]:

@@ -1,0 +1,418 @@
+"""`eagle`: a small head that drafts from the target's own hidden states (EAGLE, Li et al. 2024), scoring a
+reduced vocabulary (FR-Spec, Zhao et al. 2025), and taking a long lookup match instead where the text copies.
+
+The head: at position p it reads the target's final hidden state f_p (after the final norm: the output layer's
+input) and the embedding of the next token x_{p+1}, fuses them with one linear layer (fc: [f; e] -> hidden),
+runs ONE decoder layer of the target's family over them (with its own small KV cache), normalises, and gives
+  - its estimate of the target's next hidden state f^_{p+1}, and
+  - logits over the V' most frequent tokens (the rows of the target's output layer for those tokens).
+Drafting K tokens after a verification step: the head first reads the committed positions it has not read
+(real features from that step's target forward, which returns them at no extra cost), draws draft 1 from its
+logits, then feeds (f^, draft) back K - 1 times. The head's cache keeps the positions read from real features
+and drops the drafted ones at the next step (a rollback, as for any draft model).
+
+Exactness: each draft is drawn from the head's distribution processed like the target's (penalties,
+temperature, top-k/p, min-p) over the FULL vocabulary, zero outside the V' tokens; that q is what verification
+divides by, and the target verifies over its whole vocabulary, so the output is the target's (greedy: the
+argmax, and verification compares with the target's argmax). A seeded request draws with the target's position
+noise, as draft models do.
+
+Copying: where the suffix index of the request's text (drafts/suffix.py) has a confident match covering all K
+positions, that lookup draft is taken instead of the head's (deterministic: q one-hot, exact).
+
+Trees (EAGLE-2) can replace the chain: `_draw` gives one token per row from a row's logits; a tree would take
+the top tokens of each row and feed them as several rows of one head forward, with tree attention in the head's
+cache. Not built yet.
+
+Heads are written by `quickdraft distill` (tools/distill.py): head.safetensors (fc, the decoder layer, the
+norm, and `vocab_ids`, the reduced vocabulary as target token ids) and config.json (the head's shape, the
+target it was trained for, and the recipe). Heads for the packaged models ship in quickdraft/heads/.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quickdraft import sampling
+from quickdraft.drafts.base import Proposal, Proposer
+from quickdraft.drafts.suffix import SuffixProposer
+from quickdraft.errors import QuickdraftError
+
+SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "heads"
+HEAD_FILE, CONFIG_FILE = "head.safetensors", "config.json"
+FORMAT_VERSION = 1
+
+
+# --- the head -------------------------------------------------------------------------------------------------
+
+def text_config(model: nn.Module):
+    config = model.config
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def fingerprint(config) -> dict[str, Any]:
+    """What a head must match in a target: its family and shape."""
+    return {key: getattr(config, key, None) for key in
+            ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")}
+
+
+def head_config(target_config, vocab_size: int):
+    """The config of a one-layer model of the target's family scoring `vocab_size` tokens: full attention,
+    RoPE as the target's global layers, no tied embedding (the head reads embeddings from the target)."""
+    config = copy.deepcopy(target_config)
+    config.num_hidden_layers = 1
+    config.vocab_size = vocab_size
+    config.tie_word_embeddings = False
+    if getattr(config, "layer_types", None):
+        config.layer_types = ["full_attention"]
+    if getattr(config, "no_rope_layers", None):
+        config.no_rope_layers = [1]
+    for name in ("use_cache", "pad_token_id"):
+        if hasattr(config, name):
+            setattr(config, name, None if name == "pad_token_id" else True)
+    return config
+
+
+class EagleHead(nn.Module):
+    """fc over [feature; embedding], one decoder layer of the target's family, a norm, and the target's output
+    rows for the reduced vocabulary (frozen). Trained by tools/distill.py; run by EagleProposer."""
+
+    def __init__(self, target_config, vocab_ids: torch.Tensor, output_rows: torch.Tensor,
+                 norm_weight: torch.Tensor | None = None):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        hidden = int(target_config.hidden_size)
+        self.target_config = target_config
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        config = head_config(target_config, int(vocab_ids.numel()))
+        self.decoder = AutoModelForCausalLM.from_config(config)
+        inner = self.decoder.model
+        # The head reads fused rows, never token ids: its own embedding table is a placeholder row.
+        inner.embed_tokens.weight = nn.Parameter(torch.zeros(1, hidden), requires_grad=False)
+        self.decoder.lm_head.weight = nn.Parameter(output_rows.float().clone(), requires_grad=False)
+        if norm_weight is not None:
+            with torch.no_grad():
+                inner.norm.weight.copy_(norm_weight.float())
+        self.register_buffer("vocab_ids", vocab_ids.long().clone(), persistent=False)
+        self.softcap = getattr(target_config, "final_logit_softcapping", None) \
+            if target_config.model_type.startswith("gemma3") else None
+
+    @property
+    def hidden_size(self) -> int:
+        return self.fc.out_features
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Reduced-vocabulary logits of (estimated) features [..., hidden] -> [..., V']."""
+        logits = self.decoder.lm_head(features)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced over whole sequences (training): features [B, T, hidden] (f_p) and embeds
+        [B, T, hidden] (of x_{p+1}) -> (estimated next features f^_{p+1} [B, T, hidden], logits [B, T, V'])."""
+        fused = self.fc(torch.cat([features, embeds], -1))
+        out = self.decoder.model(inputs_embeds=fused, attention_mask=attention_mask, use_cache=False)
+        estimate = out.last_hidden_state
+        return estimate, self.logits(estimate)
+
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        """The head's own parameters (not the target's output rows) and its vocabulary: what a head file holds."""
+        state = {name: p.detach().float().contiguous() for name, p in self.named_parameters() if p.requires_grad}
+        state["vocab_ids"] = self.vocab_ids.cpu().contiguous()
+        return state
+
+    def save(self, directory: str | Path, recipe: dict[str, Any] | None = None) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.cpu() for k, v in self.trained_state().items()}
+        save_file(state, str(directory / (HEAD_FILE + ".tmp")))
+        (directory / (HEAD_FILE + ".tmp")).replace(directory / HEAD_FILE)
+        config = {"format": FORMAT_VERSION, "target": fingerprint(self.target_config),
+                  "draft_vocab_size": int(self.vocab_ids.numel()), "recipe": recipe or {}}
+        (directory / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
+
+
+def output_rows(target, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the target's output layer, float32 [len(ids), hidden] (dequantised where quantized)."""
+    head = getattr(target, "lm_head", None)
+    if head is not None and hasattr(head, "rows"):
+        return head.rows(ids.cpu())
+    return target.model.get_output_embeddings().weight.detach()[ids.to(target.device)].float().cpu()
+
+
+def final_norm_weight(target) -> torch.Tensor:
+    model = target.model
+    inner = getattr(model, getattr(model, "base_model_prefix", "model"))
+    return inner.norm.weight.detach().float().cpu()
+
+
+def new_head(target, vocab_ids: torch.Tensor, seed: int = 0) -> EagleHead:
+    """An untrained head for `target` (a Runner) over the reduced vocabulary `vocab_ids` (target token ids)."""
+    torch.manual_seed(seed)
+    return EagleHead(text_config(target.model), vocab_ids, output_rows(target, vocab_ids), final_norm_weight(target))
+
+
+def read_head_config(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise QuickdraftError(f"{directory} is not an EAGLE head: it has no {CONFIG_FILE}; write one with "
+                              "`quickdraft distill --model MODEL --out DIR`") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise QuickdraftError(f"cannot read the EAGLE head config {path}: {exc}") from None
+    if config.get("format") != FORMAT_VERSION:
+        raise QuickdraftError(f"the EAGLE head {directory} has format {config.get('format')!r}, this quickdraft "
+                              f"reads format {FORMAT_VERSION}; re-run `quickdraft distill`")
+    return config
+
+
+def load_head(directory: str | Path, target) -> EagleHead:
+    """The head saved in `directory`, checked against `target` (a Runner), with the target's output rows."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config = read_head_config(directory)
+    want = fingerprint(text_config(target.model))
+    if config["target"] != want:
+        raise QuickdraftError(f"the EAGLE head {directory} was trained for a target {config['target']}, not this "
+                              f"one {want}; train one for it with `quickdraft distill`")
+    try:
+        state = load_file(str(directory / HEAD_FILE))
+    except Exception as exc:  # a truncated or foreign file
+        raise QuickdraftError(f"cannot read the EAGLE head weights {directory / HEAD_FILE}: {exc}") from None
+    vocab_ids = state.pop("vocab_ids")
+    if vocab_ids.numel() == 0 or int(vocab_ids.max()) >= target.vocab_size or int(vocab_ids.min()) < 0:
+        raise QuickdraftError(f"the EAGLE head {directory} has a vocabulary map outside the target's "
+                              f"{target.vocab_size} tokens")
+    head = EagleHead(text_config(target.model), vocab_ids, output_rows(target, vocab_ids))
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    trained = {name for name, p in head.named_parameters() if p.requires_grad}
+    if set(missing) & trained or unexpected:
+        raise QuickdraftError(f"the EAGLE head {directory} does not fit this target's family: missing "
+                              f"{sorted(set(missing) & trained)[:3]}, unexpected {sorted(unexpected)[:3]}")
+    return head
+
+
+def shipped_head(target) -> Path | None:
+    """The packaged head trained for a target of this family and shape, if there is one."""
+    want = fingerprint(text_config(target.model))
+    for config_path in sorted(SHIPPED_HEADS.glob(f"*/{CONFIG_FILE}")):
+        try:
+            if json.loads(config_path.read_text()).get("target") == want:
+                return config_path.parent
+        except (OSError, json.JSONDecodeError):
+            continue
+    return None
+
+
+# --- drafting -------------------------------------------------------------------------------------------------
+
+class _EagleState:
+    """One request's head cache and the target features it has not read yet.
+
+    cache: the head's KV cache; positions < `real` were read from the target's own features, later ones are
+    drafts (dropped at the next step). feats: target features of positions feat_start.., kept from real - 1 on
+    (the last one read stays, in case its row must be recomputed)."""
+
+    __slots__ = ("cache", "real", "feat_start", "feats", "suffix")
+
+    def __init__(self, cache, suffix):
+        self.cache, self.real, self.feat_start, self.feats, self.suffix = cache, 0, 0, None, suffix
+
+    @property
+    def nbytes(self) -> int:
+        return int(getattr(self.cache, "nbytes", 0) or 0) + (0 if self.feats is None else
+                                                            self.feats.numel() * self.feats.element_size())
+
+
+class EagleProposer(Proposer):
+    name = "eagle"
+    runs_a_model = True
+    uses_target_features = True
+
+    def __init__(self, target, head: EagleHead, lookup: SuffixProposer | None = None, head_path: str | None = None):
+        super().__init__()
+        from quickdraft.models.native import Linear, NativeRunner, supports
+
+        self.target = target
+        self.head_path = head_path
+        model = copy.deepcopy(head.decoder).to(device=target.device, dtype=target.dtype).eval()
+        reason = supports(model)
+        if reason:
+            raise QuickdraftError(f"eagle: the head of this family cannot run natively ({reason})")
+        self.runner = NativeRunner(model, name=f"{getattr(target, 'name', 'target')}[eagle head]")
+        self.fc = Linear(head.fc.weight.detach().to(device=target.device, dtype=target.dtype).contiguous())
+        self.vocab_ids = head.vocab_ids.to(target.device)  # [V'] target ids of the head's rows
+        self.target_vocab_size = target.vocab_size
+        self.hidden_size = head.hidden_size
+        self.lookup = lookup
+
+    @classmethod
+    def from_config(cls, config, context) -> "EagleProposer":
+        target = context.target
+        if config.model:
+            path = Path(str(config.model))
+        else:
+            path = shipped_head(target)
+            if path is None:
+                raise QuickdraftError(
+                    f"eagle: no EAGLE head ships for {context.target_name} "
+                    f"({fingerprint(text_config(target.model))}); train one with `quickdraft distill --model "
+                    f"{context.target_name} --out HEAD_DIR` and pass speculative_config['model'] = HEAD_DIR")
+        head = load_head(path, target)
+        lookup = SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_tokens,
+                                config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob) \
+            if config.eagle_lookup else None
+        return cls(target, head, lookup, str(path))
+
+    @property
+    def draft_runner(self):
+        return None  # the head's one-layer cache is not budgeted (about 1/layers of the target's)
+
+    def new_state(self, seq) -> _EagleState:
+        suffix = None
+        if self.lookup is not None:
+            old = seq.draft_state
+            if isinstance(old, _EagleState) and old.suffix is not None:
+                seq.draft_state = old.suffix  # a preempted sequence keeps its doc
+            suffix = self.lookup.new_state(seq)
+        return _EagleState(self.runner.new_cache(), suffix)
+
+    def max_draft_tokens(self, seq) -> int:
+        return self.runner.max_len - len(seq.token_ids) + 1
+
+    def observe(self, seq, start: int, features: torch.Tensor) -> None:
+        state = seq.draft_state
+        if not isinstance(state, _EagleState) or features.shape[0] == 0:
+            return
+        features = features.detach()
+        if state.feats is None or start < state.feat_start:
+            state.feats, state.feat_start = features, start
+        else:
+            kept = state.feats[: start - state.feat_start]
+            gap = start - state.feat_start - kept.shape[0]
+            if gap > 0:  # positions the target did not compute (a reused prefix): the head reads zeros there
+                kept = torch.cat([kept, kept.new_zeros(gap, kept.shape[1])])
+            state.feats = torch.cat([kept, features])
+        state.real = min(state.real, start)
+
+    def _features(self, state: _EagleState, first: int, last: int) -> torch.Tensor:
+        """Target features of positions first..last-1 [n, hidden] (zeros where none was observed)."""
+        out = torch.zeros(last - first, self.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
+        if state.feats is not None:
+            lo, hi = max(first, state.feat_start), min(last, state.feat_start + state.feats.shape[0])
+            if hi > lo:
+                out[lo - first: hi - first] = state.feats[lo - state.feat_start: hi - state.feat_start]
+        return out
+
+    def _fuse(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """fc([f; e(x)]) for rows of features [n, hidden] and next tokens [n] -> [n, hidden]."""
+        embeds = self.target.embed_rows(tokens).to(device=features.device, dtype=features.dtype)
+        return self.fc(torch.cat([features, embeds], -1).contiguous())
+
+    def _draw(self, seq, logits: torch.Tensor, pending: torch.Tensor, i: int):
+        """One draft token from the head's logits [V'] at draft position i, and its processed full-vocabulary
+        distribution q [V] (None where verification needs none: greedy, or a seeded draw)."""
+        if seq.params.greedy and seq.penalties is None:
+            return self.vocab_ids[logits.argmax()].reshape(1), None
+        full = torch.full((1, self.target_vocab_size), float("-inf"), device=seq.device)
+        full[0, self.vocab_ids.to(seq.device)] = logits.to(seq.device).float()
+        processed = seq.process(full, pending, first_row=i)  # [1, V]
+        if seq.noise_key is not None:
+            log_noise = seq.log_noise(len(seq.output_ids) + i, 1, processed.shape[-1])
+            return sampling.scores_with_log_noise(processed, log_noise).argmax(-1), None
+        token = sampling.sample(processed, seq.params, seq.generator)
+        return token.reshape(1), (None if seq.params.greedy else processed[0])
+
+    def propose(self, seq, k: int) -> Proposal:
+        return self.propose_batch([seq], [k])[0]
+
+    @torch.inference_mode()
+    def propose_batch(self, seqs, ks: list[int]) -> list[Proposal]:
+        out = [Proposal.empty(seq.device) for seq in seqs]
+        heads = []
+        for j, (seq, k) in enumerate(zip(seqs, ks)):
+            if k <= 0:
+                continue
+            state = seq.draft_state
+            if not isinstance(state, _EagleState):
+                state = seq.draft_state = self.new_state(seq)
+            if state.suffix is not None:  # a confident copy of all K positions beats the head
+                draft = self.lookup.lookup(state.suffix, seq, k)
+                if len(draft) >= k:
+                    out[j] = Proposal(torch.tensor(draft[:k], dtype=torch.long, device=seq.device))
+                    continue
+            heads.append(j)
+        if not heads:
+            return out
+
+        # The head reads the committed positions it lacks: position p pairs f_p with x_{p+1}, p < len - 1.
+        caches, token_rows, inputs, catch_ups = [], [], [], {}
+        for j in heads:
+            seq, state = seqs[j], seqs[j].draft_state
+            ids = seq.token_ids
+            last = len(ids) - 1  # positions first..last-1 are read now (the engine drafts only after the prompt)
+            first = min(state.real, len(state.cache), last)
+            if first == last:  # nothing new since the last read: recompute the last position for its output
+                first -= 1
+            state.cache.rollback(first)  # drop the drafted positions (and any not read from real features)
+            tokens = torch.tensor(ids[first + 1: last + 1], dtype=torch.long, device=self.runner.device)
+            caches.append(state.cache)
+            token_rows.append(tokens)
+            inputs.append(self._fuse(self._features(state, first, last), tokens))
+            catch_ups[j] = max(0, last - first - 2)  # a step reads the bonus and maybe its last draft
+        logits, hidden = self.runner.forward_batch(caches, token_rows, [1] * len(heads), inputs_embeds=inputs,
+                                                   return_hidden=True)  # [m, V'], [sum rows, hidden]
+        self.forwards += 1
+        ends, row = [], 0
+        for tokens in token_rows:
+            row += int(tokens.numel())
+            ends.append(row - 1)
+        estimates = hidden[ends]  # [m, hidden]: f^ of each sequence's next position
+        for j in heads:  # the features read; keep the last one
+            seq, state = seqs[j], seqs[j].draft_state
+            state.real = len(state.cache)
+            if state.feats is not None and state.real - 1 > state.feat_start:
+                cut = min(state.real - 1 - state.feat_start, state.feats.shape[0])
+                state.feats, state.feat_start = state.feats[cut:], state.feat_start + cut
+
+        drafts = {j: torch.empty(ks[j], dtype=torch.long, device=seqs[j].device) for j in heads}
+        probs = {j: None for j in heads}
+        rows = list(heads)
+        for i in range(max(ks[j] for j in heads)):
+            new_tokens = []
+            for r, j in enumerate(rows):
+                seq = seqs[j]
+                token, q = self._draw(seq, logits[r], drafts[j][:i], i)
+                drafts[j][i] = token[0]
+                if q is not None:
+                    if probs[j] is None:
+                        probs[j] = torch.zeros(ks[j], self.target_vocab_size, device=seq.device)
+                    probs[j][i] = q
+                new_tokens.append(token.to(self.runner.device))
+            keep = [r for r, j in enumerate(rows) if ks[j] > i + 1]
+            if not keep:
+                break
+            tokens = [new_tokens[r] for r in keep]
+            inputs = [self._fuse(estimates[r: r + 1], tokens[n]) for n, r in enumerate(keep)]
+            rows = [rows[r] for r in keep]
+            logits, hidden = self.runner.forward_batch([seqs[j].draft_state.cache for j in rows], tokens,
+                                                       [1] * len(rows), inputs_embeds=inputs, return_hidden=True)
+            self.forwards += 1
+            estimates = hidden
+        for j in heads:
+            out[j] = Proposal(drafts[j], probs[j], catch_ups[j])
+        return out

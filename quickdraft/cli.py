@@ -43,7 +43,7 @@ def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text with speculative decoding")
     p.add_argument("prompt", help="the prompt (a user message with --chat)")
     p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
-    p.add_argument("--draft", default="ngram", help="ngram | suffix | layers:N | quantized[:int8|q4] (the target in int8 or 4 bits) | none | a draft MODEL "
+    p.add_argument("--draft", default="ngram", help="ngram | suffix | eagle[:HEAD_DIR] | layers:N | quantized[:int8|q4] (the target in int8 or 4 bits) | none | a draft MODEL "
                    "(default: ngram)")
     p.add_argument("--k", type=int, default=5, help="speculative tokens per step (default 5)")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -76,7 +76,7 @@ def add_generate_parser(sub) -> None:
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)")
     p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
-    p.add_argument("--draft", default="ngram", help="ngram | suffix | layers:N | quantized[:int8|q4] | none | a draft MODEL (default: ngram)")
+    p.add_argument("--draft", default="ngram", help="ngram | suffix | eagle[:HEAD_DIR] | layers:N | quantized[:int8|q4] | none | a draft MODEL (default: ngram)")
     p.add_argument("--k", type=int, default=5, help="largest speculative tokens per step (default 5)")
     p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
     add_speculative_config_argument(p)

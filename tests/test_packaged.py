@@ -247,3 +247,29 @@ def test_q4_self_draft_of_a_bf16_target(smollm2_bf16):
         out = llm.chat(messages, sp)[0]
         assert out.outputs[0].token_ids == smollm2_bf16.chat(messages, sp)[0].outputs[0].token_ids
         assert out.metrics.accepted_tokens > 0.5 * out.metrics.proposed_tokens  # a close copy of the target
+
+
+# --- the shipped EAGLE heads ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m"])
+def test_shipped_eagle_head_drafts_exactly(alias, request):
+    """`eagle` with no head given finds the head shipped for the packaged model (quickdraft/heads/), its greedy
+    output is plain output (bf16, batched), and the head's own drafts (lookup off) are accepted far more often
+    than an untrained head's (which agrees with the target on almost nothing)."""
+    from quickdraft.drafts.eagle import SHIPPED_HEADS
+
+    plain = request.getfixturevalue("smollm2_bf16") if alias == "smollm2-135m" else \
+        LLM(alias, dtype="bfloat16", device="cpu")
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    chat = alias == "smollm2-135m"
+    prompts = [plain.chat_prompt([{"role": "user", "content": c}]) if chat else c for c in CHATS]
+    expected = [out.outputs[0].token_ids for out in plain.generate(prompts, sp)]
+    for lookup in (True, False):
+        llm = plain.with_speculative_config({"method": "eagle", "num_speculative_tokens": 3, "adaptive": False,
+                                             "eagle_lookup": lookup})
+        assert str(SHIPPED_HEADS) in llm.proposer.head_path
+        outs = llm.generate(prompts, sp)
+        assert [out.outputs[0].token_ids for out in outs] == expected
+    accepted = sum(out.metrics.accepted_tokens for out in outs)
+    proposed = sum(out.metrics.proposed_tokens for out in outs)
+    assert proposed > 0 and accepted > 0.1 * proposed, (accepted, proposed)

@@ -127,8 +127,10 @@ class EagleHead(nn.Module):
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         """The head's own parameters (not the target's output rows) and its vocabulary: what a head file holds."""
-        state = {name: p.detach().float().contiguous() for name, p in self.named_parameters() if p.requires_grad}
-        state["vocab_ids"] = self.vocab_ids.cpu().contiguous()
+        # bf16, the precision the head runs in on bf16 targets: half the bytes of float32.
+        state = {name: p.detach().to(torch.bfloat16).contiguous() for name, p in self.named_parameters()
+                 if p.requires_grad}
+        state["vocab_ids"] = self.vocab_ids.cpu().to(torch.int32).contiguous()
         return state
 
     def save(self, directory: str | Path, recipe: dict[str, Any] | None = None) -> None:
@@ -193,7 +195,8 @@ def load_head(directory: str | Path, target) -> EagleHead:
         state = load_file(str(directory / HEAD_FILE))
     except Exception as exc:  # a truncated or foreign file
         raise QuickdraftError(f"cannot read the EAGLE head weights {directory / HEAD_FILE}: {exc}") from None
-    vocab_ids = state.pop("vocab_ids")
+    vocab_ids = state.pop("vocab_ids").long()
+    state = {name: t.float() for name, t in state.items()}
     if vocab_ids.numel() == 0 or int(vocab_ids.max()) >= target.vocab_size or int(vocab_ids.min()) < 0:
         raise QuickdraftError(f"the EAGLE head {directory} has a vocabulary map outside the target's "
                               f"{target.vocab_size} tokens")

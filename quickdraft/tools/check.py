@@ -728,7 +728,7 @@ def add_parser(sub) -> None:
                         "'prompt' or 'prompt_token_ids' records")
     p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
     p.add_argument("--draft", default="ngram",
-                   help="ngram | suffix | layers:N | quantized | a draft MODEL (default: ngram)")
+                   help="ngram | suffix | eagle[:HEAD_DIR] | layers:N | quantized | a draft MODEL (default: ngram)")
     p.add_argument("--k", type=int, default=5, help="speculative tokens per step (default 5)")
     p.add_argument("--adaptive", action="store_true",
                    help="adaptive K as `generate` runs it (default: a fixed K, so that the check is reproducible)")

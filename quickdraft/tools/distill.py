@@ -2,8 +2,8 @@
 
 1. Data: the target's own text. Prompts come from --prompts (a text or JSONL file, as `quickdraft check`
    reads them) or, with none, from the target itself: a chat model writes user questions (sampled at
-   temperature 1 after its chat template's user header) and answers them; a base model continues its
-   beginning-of-text token. Answers alternate greedy and sampled (--temperatures), so the head sees both laws.
+   temperature 1 after its chat template's user header) and answers them; a base model samples the start of a
+   text from its beginning-of-text token (temperature 1) and continues it. Answers alternate greedy and sampled (--temperatures), so the head sees both laws.
    Each finished sequence then goes through the target once more (a prefill, rows computed as in decoding) for
    its final hidden states, and the target's greedy token at every position (the held-out estimate's
    reference). Shards are written as they are made (OUT/work/data-NNNN.safetensors) until --tokens are held.
@@ -71,12 +71,14 @@ def _self_written_prompts(llm, count: int, seed: int) -> list[list[int]]:
     from quickdraft.params import SamplingParams
 
     header = _user_header(llm)
-    if header is None:
+    if header is None:  # a base model: the start of a text it samples from its beginning-of-text token
         bos = getattr(llm.tokenizer, "bos_token_id", None) if llm.tokenizer is not None else None
         if bos is None:
             raise QuickdraftError("this model has neither a chat template nor a beginning-of-text token to write "
                                   "its own prompts from; pass --prompts FILE")
-        return [[bos]] * count
+        params = SamplingParams(temperature=1.0, max_tokens=QUESTION_TOKENS // 2)
+        outs = llm.generate([{"prompt_token_ids": [bos]}] * count, params)
+        return [[bos] + out.outputs[0].token_ids for out in outs]
     ids = llm.tokenizer(header, add_special_tokens=False)["input_ids"]
     # No per-request seed: seeded requests draw position-keyed noise over the whole vocabulary at every step,
     # several times dearer than the generator's draw, and data need not be reproducible token for token.

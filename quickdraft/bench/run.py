@@ -245,7 +245,9 @@ def _cost_runners(reference, runners) -> dict:
     if not isinstance(reference.target, HFRunner) and getattr(reference.target, "quantized_weights", None) is None:
         out["target (HFRunner)"] = HFRunner(reference.target.model)
     for runner in runners:
-        draft = getattr(getattr(getattr(runner, "llm", None), "proposer", None), "runner", None)
+        proposer = getattr(getattr(runner, "llm", None), "proposer", None)
+        # The draft runners that read token ids (an EAGLE head reads fused features, and is timed in its steps).
+        draft = proposer.draft_runner if proposer is not None else None
         if draft is not None:
             out[f"{runner.spec.name} draft ({draft.name})"] = draft
     return out

@@ -254,8 +254,9 @@ def test_q4_self_draft_of_a_bf16_target(smollm2_bf16):
 @pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m"])
 def test_shipped_eagle_head_drafts_exactly(alias, request):
     """`eagle` with no head given finds the head shipped for the packaged model (quickdraft/heads/), its greedy
-    output is plain output (bf16, batched), and the head's own drafts (lookup off) are accepted far more often
-    than an untrained head's (which agrees with the target on almost nothing)."""
+    output is plain output (bf16, batched), and the head's own first drafts (lookup off) are accepted far more
+    often than an untrained head's, which agrees with the target on about one token in its vocabulary size
+    (measured: SmolLM2's head ~0.35 on held-out data, Gemma's ~0.14)."""
     from quickdraft.drafts.eagle import SHIPPED_HEADS
 
     plain = request.getfixturevalue("smollm2_bf16") if alias == "smollm2-135m" else \
@@ -270,6 +271,8 @@ def test_shipped_eagle_head_drafts_exactly(alias, request):
         assert str(SHIPPED_HEADS) in llm.proposer.head_path
         outs = llm.generate(prompts, sp)
         assert [out.outputs[0].token_ids for out in outs] == expected
-    accepted = sum(out.metrics.accepted_tokens for out in outs)
-    proposed = sum(out.metrics.proposed_tokens for out in outs)
-    assert proposed > 0 and accepted > 0.1 * proposed, (accepted, proposed)
+    from quickdraft.sequence import RequestMetrics
+
+    pooled = RequestMetrics.combine([out.metrics for out in outs])
+    first = pooled.acceptance_by_position[0]  # the head's first draft (later ones read its own estimates)
+    assert first is not None and first > 0.08, pooled.acceptance_by_position  # an untrained head: ~0

@@ -98,7 +98,7 @@ def test_prefix_cache_gaps_stay_exact(tmp_path):
 def _tiny_data(llm, count=96, seed=0):
     rng = random.Random(seed)
     prompts = [[rng.randrange(32) for _ in range(rng.randrange(2, 6))] for _ in range(count)]
-    return [distill._generate_shard(llm, prompts[i:i + 48], (0.0, 1.0), 40, seed) for i in range(0, count, 48)]
+    return [distill._generate_shard(llm, prompts[i:i + 48], (0.0, 1.0), 40) for i in range(0, count, 48)]
 
 
 def test_a_head_trained_in_the_test_learns_the_target(tmp_path):
@@ -110,7 +110,7 @@ def test_a_head_trained_in_the_test_learns_the_target(tmp_path):
     shards = _tiny_data(plain)
     vocab_ids = distill.reduced_vocab(shards, 32, 24, set())
     assert vocab_ids.numel() == 24 and torch.equal(vocab_ids, vocab_ids.sort().values)
-    unseen = distill._Examples(_tiny_data(plain, count=48, seed=1)).items
+    unseen = distill.examples(_tiny_data(plain, count=48, seed=1))
     embed = lambda ids: plain.target.embed_rows(ids).float()  # noqa: E731
 
     def autocast():

@@ -44,6 +44,8 @@ from quickdraft import sampling
 from quickdraft.drafts.base import Proposal, Proposer
 from quickdraft.drafts.suffix import SuffixProposer
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.native import Linear, NativeRunner, supports
+from quickdraft.models.native import _text_config as text_config
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "heads"
 HEAD_FILE, CONFIG_FILE = "head.safetensors", "config.json"
@@ -51,11 +53,6 @@ FORMAT_VERSION = 1
 
 
 # --- the head -------------------------------------------------------------------------------------------------
-
-def text_config(model: nn.Module):
-    config = model.config
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-
 
 def fingerprint(config) -> dict[str, Any]:
     """What a head must match in a target: its family and shape."""
@@ -74,9 +71,8 @@ def head_config(target_config, vocab_size: int):
         config.layer_types = ["full_attention"]
     if getattr(config, "no_rope_layers", None):
         config.no_rope_layers = [1]
-    for name in ("use_cache", "pad_token_id"):
-        if hasattr(config, name):
-            setattr(config, name, None if name == "pad_token_id" else True)
+    config.use_cache = True
+    config.pad_token_id = None  # the target's pad id may lie outside the head's (placeholder) embedding
     return config
 
 
@@ -146,14 +142,6 @@ class EagleHead(nn.Module):
         (directory / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
 
 
-def output_rows(target, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of the target's output layer, float32 [len(ids), hidden] (dequantised where quantized)."""
-    head = getattr(target, "lm_head", None)
-    if head is not None and hasattr(head, "rows"):
-        return head.rows(ids.cpu())
-    return target.model.get_output_embeddings().weight.detach()[ids.to(target.device)].float().cpu()
-
-
 def final_norm_weight(target) -> torch.Tensor:
     model = target.model
     inner = getattr(model, getattr(model, "base_model_prefix", "model"))
@@ -163,7 +151,7 @@ def final_norm_weight(target) -> torch.Tensor:
 def new_head(target, vocab_ids: torch.Tensor, seed: int = 0) -> EagleHead:
     """An untrained head for `target` (a Runner) over the reduced vocabulary `vocab_ids` (target token ids)."""
     torch.manual_seed(seed)
-    return EagleHead(text_config(target.model), vocab_ids, output_rows(target, vocab_ids), final_norm_weight(target))
+    return EagleHead(text_config(target.model), vocab_ids, target.output_rows(vocab_ids), final_norm_weight(target))
 
 
 def read_head_config(directory: str | Path) -> dict[str, Any]:
@@ -200,7 +188,7 @@ def load_head(directory: str | Path, target) -> EagleHead:
     if vocab_ids.numel() == 0 or int(vocab_ids.max()) >= target.vocab_size or int(vocab_ids.min()) < 0:
         raise QuickdraftError(f"the EAGLE head {directory} has a vocabulary map outside the target's "
                               f"{target.vocab_size} tokens")
-    head = EagleHead(text_config(target.model), vocab_ids, output_rows(target, vocab_ids))
+    head = EagleHead(text_config(target.model), vocab_ids, target.output_rows(vocab_ids))
     missing, unexpected = head.load_state_dict(state, strict=False)
     trained = {name for name, p in head.named_parameters() if p.requires_grad}
     if set(missing) & trained or unexpected:
@@ -248,8 +236,6 @@ class EagleProposer(Proposer):
 
     def __init__(self, target, head: EagleHead, lookup: SuffixProposer | None = None, head_path: str | None = None):
         super().__init__()
-        from quickdraft.models.native import Linear, NativeRunner, supports
-
         self.target = target
         self.head_path = head_path
         model = copy.deepcopy(head.decoder).to(device=target.device, dtype=target.dtype).eval()

@@ -568,9 +568,16 @@ class NativeRunner:
         x = self._embedding(ids.to(self.device))
         return x * self.embed_scale if self.embed_scale is not None else x
 
-    @property
-    def hidden_size(self) -> int:
-        return int(self.config.hidden_size)
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [n, hidden] (after the final norm) -> float32 logits [n, V], softcapped where the
+        family does."""
+        logits = self.lm_head(hidden.contiguous()).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.rows(ids)
 
     @torch.inference_mode()
     def forward_batch(self, caches: list[StaticSequenceCache], tokens: list[torch.Tensor], num_logits: list[int],
@@ -633,7 +640,5 @@ class NativeRunner:
             return (logits, hidden) if return_hidden else logits
         if hidden is None:
             rows = self._norm(rows.contiguous(), self.final_norm)
-        logits = self.lm_head(rows.contiguous()).float()  # [sum(num_logits), vocab]
-        if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        logits = self.output_logits(rows)  # [sum(num_logits), vocab]
         return (logits, hidden) if return_hidden else logits

@@ -51,9 +51,6 @@ class Runner(Protocol):
     def forward(self, cache: SequenceCache, tokens: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
         """Append tokens [n] to the sequence; float32 logits of the last num_logits inputs [num_logits, V]."""
 
-    @property
-    def hidden_size(self) -> int: ...
-
     def forward_batch(self, caches: list[SequenceCache], tokens: list[torch.Tensor],
                       num_logits: list[int], return_hidden: bool = False):
         """Several sequences in one step; their logits concatenated in order, [sum(num_logits), V]. With
@@ -62,6 +59,12 @@ class Runner(Protocol):
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids [n] -> the input embeddings the first layer reads, [n, hidden]."""
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [n, hidden] (forward_batch's return_hidden) -> float32 logits [n, V]."""
+
+    def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the output layer's weight, float32 on the CPU [len(ids), hidden]."""
 
     def truncated(self, num_layers: int) -> "Runner":
         """The first num_layers layers, final norm and head, sharing this runner's weights (a self-draft)."""
@@ -120,13 +123,18 @@ class HFRunner:
         raise QuickdraftError(f"{self.name}: quantization {scheme!r} needs the native runner, which this "
                               "architecture lacks; drop the quantization or pick another draft")
 
-    @property
-    def hidden_size(self) -> int:
-        return int(self.config.hidden_size)
-
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():  # Gemma's embedding module applies its scale itself
             return self.model.get_input_embeddings()(ids.to(self.device))
+
+    @torch.inference_mode()
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.get_output_embeddings()(hidden.to(self.device)).float()
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight.detach()[ids.to(self.device)].float().cpu()
 
     def _final_norm(self) -> nn.Module:
         inner = getattr(self.model, getattr(self.model, "base_model_prefix", "model"), None)

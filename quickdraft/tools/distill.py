@@ -65,7 +65,7 @@ def _user_header(llm) -> str | None:
     return text.split(marker)[0] if marker in text else None
 
 
-def _self_written_prompts(llm, count: int, seed: int) -> list[list[int]]:
+def _self_written_prompts(llm, count: int) -> list[list[int]]:
     """Prompts the target writes: a chat model's sampled user questions in its chat template, or a base model's
     beginning-of-text token."""
     from quickdraft.params import SamplingParams
@@ -110,16 +110,14 @@ def _features(target, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.T
         _, hidden = target.forward_batch(caches, [torch.tensor(s) for s in group], [0] * len(group),
                                          return_hidden=True)
         feats.append(hidden.to(torch.bfloat16).cpu())
-        for chunk in hidden.split(256):  # the greedy token: argmax of the output layer (softcap is monotonic)
-            head = target.lm_head(chunk.contiguous()) if hasattr(target, "lm_head") \
-                else target.model.get_output_embeddings()(chunk)
-            tops.append(head.float().argmax(-1).to(torch.int32).cpu())
+        for chunk in hidden.split(256):  # the greedy token at every position, a chunk of logits at a time
+            tops.append(target.output_logits(chunk).argmax(-1).to(torch.int32).cpu())
         del caches
     return torch.cat(feats), torch.cat(tops)
 
 
-def _generate_shard(llm, prompts: list[list[int]], temperatures: tuple[float, ...], max_new_tokens: int,
-                    seed: int) -> dict[str, torch.Tensor]:
+def _generate_shard(llm, prompts: list[list[int]], temperatures: tuple[float, ...],
+                    max_new_tokens: int) -> dict[str, torch.Tensor]:
     from quickdraft.params import SamplingParams
 
     limit = llm.engine.max_len - 1
@@ -138,7 +136,7 @@ def _generate_shard(llm, prompts: list[list[int]], temperatures: tuple[float, ..
 
 
 def make_data(llm, work: Path, tokens: int, prompts_file: str | None, temperatures: tuple[float, ...],
-              max_new_tokens: int, seed: int) -> list[dict[str, torch.Tensor]]:
+              max_new_tokens: int) -> list[dict[str, torch.Tensor]]:
     """Shards of self-distillation data in `work` until they hold `tokens` tokens (existing shards kept)."""
     from safetensors.torch import load_file, save_file
 
@@ -156,8 +154,8 @@ def make_data(llm, work: Path, tokens: int, prompts_file: str | None, temperatur
         if file_prompts is not None:
             prompts = [file_prompts[(index * SHARD_SEQUENCES + i) % len(file_prompts)] for i in range(SHARD_SEQUENCES)]
         else:
-            prompts = _self_written_prompts(llm, SHARD_SEQUENCES, seed + index)
-        shard = _generate_shard(llm, prompts, temperatures, max_new_tokens, seed + index)
+            prompts = _self_written_prompts(llm, SHARD_SEQUENCES)
+        shard = _generate_shard(llm, prompts, temperatures, max_new_tokens)
         path = work / f"data-{index:04d}.safetensors"
         save_file(shard, str(path.with_suffix(".tmp")))
         path.with_suffix(".tmp").replace(path)
@@ -187,18 +185,16 @@ def reduced_vocab(shards: list[dict[str, torch.Tensor]], vocab_size: int, size: 
 
 # --- 3. training -----------------------------------------------------------------------------------------
 
-class _Examples:
+def examples(shards) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The sequences of the shards as (tokens [L], features [L, hidden], target_top [L]) views."""
-
-    def __init__(self, shards):
-        self.items = []
-        for shard in shards:
-            offset = 0
-            for length in shard["lengths"].tolist():
-                self.items.append((shard["tokens"][offset:offset + length].long(),
-                                   shard["features"][offset:offset + length],
-                                   shard["target_top"][offset:offset + length].long()))
-                offset += length
+    items = []
+    for shard in shards:
+        offset = 0
+        for length in shard["lengths"].tolist():
+            items.append((shard["tokens"][offset:offset + length].long(), shard["features"][offset:offset + length],
+                          shard["target_top"][offset:offset + length].long()))
+            offset += length
+    return items
 
 
 def _batches(items: list, max_tokens: int, rng: random.Random) -> list[list[int]]:
@@ -286,9 +282,8 @@ def train(llm, shards, vocab_ids, out: Path, work: Path, epochs: int, lr: float,
 
     target = llm.target
     head = new_head(target, vocab_ids, seed).to(device)
-    examples = _Examples(shards)
     rng = random.Random(seed)
-    items = list(examples.items)
+    items = examples(shards)
     rng.shuffle(items)
     n_held = max(1, int(len(items) * HELD_OUT))
     held_out, train_items = items[:n_held], items[n_held:]
@@ -385,7 +380,8 @@ def add_parser(sub) -> None:
                    help="answers' temperatures, used in turn (default 0,0.8)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="auto", help="the target's dtype while generating (default auto)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the head's initialisation and the batches' order (the data "
+                                                       "is sampled unseeded)")
     p.add_argument("--checkpoint-every", type=int, default=200, help="training steps between checkpoints")
     p.set_defaults(func=run)
 
@@ -420,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
               "device": str(device), "target_dtype": str(llm.target.dtype).replace("torch.", ""),
               "reg_weight": REG_WEIGHT, "second_pass_weight": SECOND_PASS_WEIGHT}
     started = time.perf_counter()
-    shards = make_data(llm, work, args.tokens, args.prompts, temperatures, args.max_new_tokens, args.seed)
+    shards = make_data(llm, work, args.tokens, args.prompts, temperatures, args.max_new_tokens)
     data_seconds = time.perf_counter() - started
     always = set(llm.engine.eos_token_ids)
     vocab_ids = reduced_vocab(shards, llm.target.vocab_size, args.vocab_size, always)

@@ -97,7 +97,7 @@ class Scheduler:
         # One detokenizer per completion (they share params); built first: it refuses stop strings without a
         # tokenizer before anything is allocated.
         detokenizers = [Detokenizer(self.tokenizer, params) for _ in range(params.n)]
-        if self.pool is not None:
+        if self.pool is not None:  # before the sequences: a refused request draws nothing from the seed stream
             self._check_fits(prompt_ids, params)
         sequences = self.make_sequences(prompt_ids, params)
         request = Request(request_id, sequences, detokenizers)
@@ -136,6 +136,8 @@ class Scheduler:
             self._grow_running()
         self._admit()
         if not self.running:
+            if self.waiting:  # nothing runs and the first in line cannot start: no later step would change that
+                self._fail_unschedulable()
             return []
         batch = list(self.running)
         try:
@@ -258,13 +260,16 @@ class Scheduler:
             caches.append((seq.draft_state, self._runners[1], self._bytes_per_token[1]))
         return caches
 
-    def _reserve(self, seq: Sequence) -> bool:
-        """Make every counted cache of `seq` able to hold its history + K + 1 positions for its next step (the
+    def _next_step_lengths(self, seq: Sequence) -> list[int]:
+        """The positions each counted runner's cache needs for `seq`'s next step: its history + K + 1 (the
         draft's history is the target's unless the draft has another tokenizer)."""
         extra = self.engine.k + 1
-        lengths = [len(seq.token_ids) + extra, len(self.engine.proposer.draft_history(seq)) + extra]
+        return [len(seq.token_ids) + extra, len(self.engine.proposer.draft_history(seq)) + extra][:len(self._runners)]
+
+    def _reserve(self, seq: Sequence) -> bool:
+        """Make every counted cache of `seq` able to hold what its next step may write."""
         return all(self.pool.ensure(cache, length, bpt, runner.max_len)
-                   for (cache, runner, bpt), length in zip(self._caches(seq), lengths))
+                   for (cache, runner, bpt), length in zip(self._caches(seq), self._next_step_lengths(seq)))
 
     def _release(self, seq: Sequence) -> None:
         if self.pool is None:
@@ -300,15 +305,44 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Refuse a request one sequence of which could not run even alone in the pool."""
-        # The last step starts with prompt + max_tokens - 1 tokens and reserves K + 1 more positions.
-        longest = min(len(prompt_ids) + params.max_tokens - 1, self.engine.max_len - 1) + self.engine.k + 1
-        need = sum(round_up(min(longest, runner.max_len)) * bpt
-                   for runner, bpt in zip(self._runners, self._bytes_per_token))
+        """Refuse a request one sequence of which could not run even alone in the pool: each counted runner's
+        cache is sized by what that runner reads (a draft with another tokenizer reads the prompt translated
+        into its own tokens, often more of them), through the last step, which starts with prompt + max_tokens
+        - 1 tokens and reserves K + 1 more positions. A draft's generated part is counted one draft token per
+        target token; where it translates into more, the no-progress guard of step() ends the request."""
+        grown = params.max_tokens - 1
+        histories = [len(prompt_ids), self.engine.proposer.draft_length(prompt_ids)][:len(self._runners)]
+        need = sum(round_up(min(min(length + grown, self.engine.max_len - 1) + self.engine.k + 1, runner.max_len)) * bpt
+                   for length, runner, bpt in zip(histories, self._runners, self._bytes_per_token))
         if need > self.pool.budget_bytes:
+            drafted = f", the draft reading it as {histories[1]} of its own tokens" \
+                if len(histories) > 1 and histories[1] != histories[0] else ""
             raise QuickdraftError(
-                f"this request cannot fit in the KV cache budget: prompt ({len(prompt_ids)} tokens) + max_tokens "
-                f"({params.max_tokens}) + {self.engine.k + 1} positions of speculation need "
+                f"this request cannot fit in the KV cache budget: prompt ({histories[0]} tokens{drafted}) + "
+                f"max_tokens ({params.max_tokens}) + {self.engine.k + 1} positions of speculation need "
                 f"{-(-need // self.pool.block_bytes)} blocks of 16 positions, but kv_cache_memory holds "
                 f"{self.pool.total_blocks} ({self.pool.max_tokens} tokens); lower max_tokens, shorten the prompt "
                 "or raise kv_cache_memory")
+
+    def _fail_unschedulable(self) -> None:
+        """The no-progress guard: nothing is running, so the first waiting sequence had the whole pool (less
+        what other schedulers of this LLM hold; kept prefixes are reclaimed) and could still not start. It
+        never will: end its request (finish_reason "error", caches freed) and raise, instead of stepping
+        forever with the request holding its place."""
+        request, index = self.waiting[0]
+        seq = request.sequences[index]
+        lengths = self._next_step_lengths(seq)
+        need = sum(round_up(min(length, runner.max_len)) * bpt
+                   for length, runner, bpt in zip(lengths, self._runners, self._bytes_per_token))
+        held_elsewhere = self.pool.used_bytes - self.memory.prefix_bytes() if self.pool is not None else 0
+        self.abort_request(request.request_id)
+        for other in request.sequences:
+            if other.finish_reason in (None, "abort"):
+                other.finish_reason = "error"
+        where = (f"{held_elsewhere} of {self.pool.budget_bytes} bytes of the KV budget are held by requests of "
+                 "another scheduler of this LLM (an unfinished generate or stream)" if held_elsewhere > 0 else
+                 f"the KV budget holds {self.pool.budget_bytes if self.pool is not None else 0} bytes")
+        raise QuickdraftError(
+            f"request {request.request_id!r} can make no progress: its next step needs {need} bytes of KV cache "
+            f"({', '.join(map(str, lengths))} positions by runner) and {where}; raise kv_cache_memory, lower "
+            "max_tokens or shorten the prompt")

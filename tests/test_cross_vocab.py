@@ -158,3 +158,39 @@ def test_under_a_kv_budget_the_draft_reserves_its_own_length():
     sp = SamplingParams(temperature=0, max_tokens=40)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == \
         [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+
+
+def _aa_llm(blocks: int, seed: int = 2) -> LLM:
+    """Target pieces [a, b, aa, bb] (the seed-2 target repeats aa under greedy decoding), draft pieces [a, b]:
+    every target aa is two draft tokens, so the draft's cache grows twice as fast as the target's."""
+    target = tiny_llama(seed=seed, vocab_size=4, layers=2)
+    per_token = LLM(target, dtype="float32", device="cpu").kv_cache_estimate()["bytes_per_token"] * 2
+    return LLM(target, tokenizer=piece_tokenizer(["a", "b", "aa", "bb"]), dtype="float32", device="cpu",
+               kv_cache_memory=blocks * 16 * per_token,
+               speculative_config={"model": tiny_llama(seed=5, vocab_size=2, layers=2),
+                                   "tokenizer": piece_tokenizer(["a", "b"]), "num_speculative_tokens": 3})
+
+
+def test_a_prompt_the_draft_reads_longer_is_refused_at_once_when_it_cannot_fit():
+    """30 target tokens aa are 60 draft tokens: counted by the target's length (43 + 43 positions, 3 blocks) the
+    request passed the check and then could never be reserved, and generate looped forever."""
+    llm = _aa_llm(blocks=3)
+    with pytest.raises(QuickdraftError, match="cannot fit in the KV cache budget.*60 of its own tokens"):
+        llm.generate({"prompt_token_ids": [2] * 30}, SamplingParams(temperature=0, max_tokens=10))
+    out = llm.generate({"prompt_token_ids": [2] * 8}, SamplingParams(temperature=0, max_tokens=4))  # still serves
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_draft_that_outgrows_the_budget_ends_its_request_instead_of_spinning():
+    """The check counts a draft's generated part one draft token per target token; this target generates aa
+    (two draft tokens each), so the request passes the check (4 blocks) but needs 5 later. The scheduler's
+    no-progress guard ends it with an error instead of preempting and re-admitting it forever."""
+    llm = _aa_llm(blocks=4)
+    scheduler = llm.new_scheduler()
+    scheduler.add_request("r", [0] * 20, SamplingParams(temperature=0, max_tokens=30))
+    with pytest.raises(QuickdraftError, match="'r' can make no progress"):
+        for _ in range(200):
+            scheduler.step()
+    assert not scheduler.has_unfinished() and scheduler.pool.used_bytes == 0
+    with pytest.raises(QuickdraftError, match="can make no progress"):  # the same through generate: no hang
+        llm.generate({"prompt_token_ids": [0] * 20}, SamplingParams(temperature=0, max_tokens=30))

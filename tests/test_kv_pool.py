@@ -175,6 +175,24 @@ def test_a_request_that_can_never_fit_is_refused():
     assert scheduler.kv_usage["used_blocks"] == 0
 
 
+def test_a_request_blocked_by_another_scheduler_of_the_llm_raises_instead_of_hanging():
+    """An unfinished request of another scheduler (a stream not read to its end, say) holds most of the LLM's
+    shared budget; generate's own scheduler can run nothing and would wait forever in one thread (nothing else
+    steps the other): its guard raises, naming why."""
+    llm = LLM(tiny_llama(seed=0), speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    per_block = 16 * llm.kv_cache_estimate()["bytes_per_token"]
+    llm = LLM(tiny_llama(seed=0), speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+              kv_cache_memory=4 * per_block, enable_prefix_caching=False)
+    other = llm.new_scheduler()
+    other.add_request("holder", [1] * 30, SamplingParams(temperature=0, max_tokens=30))
+    other.step()  # running: it holds 3 of the 4 blocks
+    with pytest.raises(QuickdraftError, match="held by requests of another scheduler"):
+        llm.generate({"prompt_token_ids": [2] * 20}, SamplingParams(temperature=0, max_tokens=20))
+    while other.has_unfinished():  # the other request goes on unharmed
+        other.step()
+    assert llm.kv_memory.pool.used_bytes == 0
+
+
 @pytest.mark.parametrize("value", [0, -5, 1.5, 0.0, -0.1, float("nan"), "1GB", True, [1]])
 def test_bad_kv_cache_memory_values(value):
     with pytest.raises(QuickdraftError, match="kv_cache_memory"):

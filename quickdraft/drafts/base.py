@@ -88,6 +88,11 @@ class Proposer(ABC):
         has another tokenizer): what the KV budget reserves draft positions for."""
         return seq.token_ids
 
+    def draft_length(self, token_ids: list[int]) -> int:
+        """How many tokens the draft runner reads for the target tokens `token_ids` (what the KV budget checks
+        a request's prompt against before it becomes a sequence)."""
+        return len(token_ids)
+
     def new_state(self, seq: "Sequence") -> Any:
         return None
 

@@ -220,6 +220,9 @@ class CrossVocabDraftProposer(DraftModelProposer):
         state.covered = len(history)
         return state.draft_ids
 
+    def draft_length(self, token_ids: list[int]) -> int:
+        return sum(len(self.mapping.translate(token)) for token in token_ids)
+
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         return self.mapping.to_target_logits(logits)
 

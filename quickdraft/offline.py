@@ -173,12 +173,8 @@ def _prompt(llm, record: BatchRecord) -> dict[str, Any]:
 
 
 def spec_decode(metrics) -> dict[str, Any]:
-    """A request's speculation, with the server's field names (protocol.SpecDecodeStats)."""
-    return {"num_drafts": metrics.num_drafts, "draft_tokens": metrics.proposed_tokens,
-            "accepted_tokens": metrics.accepted_tokens, "acceptance_rate": metrics.acceptance_rate,
-            "mean_acceptance_length": metrics.mean_acceptance_length,
-            "tokens_per_target_forward": metrics.tokens_per_target_forward,
-            "accepted_per_position": list(metrics.accepted_per_position)}
+    """A request's speculation, with the server's field names (protocol.SpecDecodeStats), `lossy` included."""
+    return metrics.spec_decode_fields()
 
 
 def generate_records(llm, records: list[BatchRecord]) -> list[dict[str, Any]]:
@@ -332,6 +328,10 @@ def summary_line(results: list[dict[str, Any]], wall_s: float, output: str, work
              f"{tokens / wall_s if wall_s > 0 else 0:.1f} tok/s"]
     parts.append(f"accepted {accepted}/{drafted} drafts ({accepted / drafted:.1%})" if drafted
                  else "no drafts proposed")
+    lossy = sum(bool(r["spec_decode"].get("lossy")) for r in results)
+    if lossy:
+        parts.append(f"LOSSY: {lossy} of {len(results)} records verified with relaxed acceptance, their output "
+                     "does not follow the target's distribution")
     if workers is not None:
         parts.append(f"on Ray Data, {len(workers)} actor{'s' if len(workers) != 1 else ''}")
     return "[quickdraft] " + " | ".join(parts)

@@ -84,6 +84,15 @@ class RequestMetrics:
     def tokens_per_s(self) -> float | None:
         return self.num_generated_tokens / self.wall_time_s if self.wall_time_s > 0 else None
 
+    def spec_decode_fields(self) -> dict[str, Any]:
+        """This request's speculation as the server's `spec_decode` and the batch output's name it (one
+        definition for both faces); `lossy` is True only under the relaxed acceptance asked for by name."""
+        return {"num_drafts": self.num_drafts, "draft_tokens": self.proposed_tokens,
+                "accepted_tokens": self.accepted_tokens, "acceptance_rate": self.acceptance_rate,
+                "mean_acceptance_length": self.mean_acceptance_length,
+                "tokens_per_target_forward": self.tokens_per_target_forward,
+                "accepted_per_position": list(self.accepted_per_position), "lossy": self.lossy}
+
     def _bump(self, name: str, position: int, delta: int) -> None:
         counts = getattr(self, name)
         if position >= len(counts):

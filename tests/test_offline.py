@@ -17,7 +17,7 @@ import pytest
 from quickdraft import SamplingParams
 from quickdraft.cli import main
 from quickdraft.errors import QuickdraftError
-from quickdraft.offline import RayBatchPredictor, generate_records, parse_record, read_records
+from quickdraft.offline import RayBatchPredictor, generate_records, parse_record, read_records, summary_line
 
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 from tiny_server import TIMEOUT_S, tiny_llm, tiny_model, tiny_tokenizer, words  # noqa: E402
@@ -90,7 +90,8 @@ def check_results(results: list[dict], expected: list[dict]) -> None:
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
         assert set(result["spec_decode"]) == {"num_drafts", "draft_tokens", "accepted_tokens", "acceptance_rate",
                                               "mean_acceptance_length", "tokens_per_target_forward",
-                                              "accepted_per_position"}
+                                              "accepted_per_position", "lossy"}
+        assert result["spec_decode"]["lossy"] is False
     by_id = {r["id"]: r for r in results}
     assert by_id["text"]["finish_reason"] == "length" and by_id["text"]["usage"]["completion_tokens"] == 12
     assert by_id[7]["usage"]["completion_tokens"] == 5
@@ -233,3 +234,15 @@ def test_ray_actor_returns_a_bad_record_as_its_batch_error(model_dir):
     assert out["error"] == ["record 'bad' (line 2): prompt_token_ids must be ids in [0, 64); got [999]"] * 2
     good = predictor({"index": [0], "record": [json.dumps(records[0].to_json())]})
     assert good["error"] == [""] and json.loads(good["result"][0])["id"] == "fine"
+
+
+def test_a_relaxed_llm_says_lossy_in_every_output_and_the_summary():
+    """The relaxed acceptance is lossy by name: each batch output line of such an LLM says so (as the server's
+    spec_decode does), and so does the summary; an exact LLM's lines and summary do not."""
+    records = [parse_record({"id": i, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}, i) for i in range(2)]
+    relaxed = generate_records(tiny_llm({**SPEC, "acceptance": "relaxed", "threshold": 0.5}), records)
+    assert [r["spec_decode"]["lossy"] for r in relaxed] == [True, True]
+    assert "LOSSY: 2 of 2 records" in summary_line(relaxed, 1.0, "out.jsonl")
+    exact = generate_records(tiny_llm(SPEC), records)
+    assert [r["spec_decode"]["lossy"] for r in exact] == [False, False]
+    assert "LOSSY" not in summary_line(exact, 1.0, "out.jsonl")

@@ -44,11 +44,7 @@ class GenerationFailed(Exception):
 
 
 def spec_decode_stats(metrics: RequestMetrics) -> SpecDecodeStats:
-    return SpecDecodeStats(num_drafts=metrics.num_drafts, draft_tokens=metrics.proposed_tokens,
-                           accepted_tokens=metrics.accepted_tokens, acceptance_rate=metrics.acceptance_rate,
-                           mean_acceptance_length=metrics.mean_acceptance_length,
-                           tokens_per_target_forward=metrics.tokens_per_target_forward,
-                           accepted_per_position=list(metrics.accepted_per_position), lossy=metrics.lossy)
+    return SpecDecodeStats(**metrics.spec_decode_fields())
 
 
 def param_of(message: str) -> str | None:

@@ -169,6 +169,7 @@ class LLM:
         # from this generator, so its draws are position-keyed and do not depend on how many random numbers
         # speculation consumed (adaptive K changes that from run to run).
         self._seeded = seed is not None
+        self._seed = seed
         self._seed_rng = random.Random(seed)
         # The KV cache budget in bytes (None: unbounded), measured after the models are loaded.
         self.kv_cache_memory = kv_pool.resolve_budget(kv_cache_memory, self.device)
@@ -193,7 +194,10 @@ class LLM:
                               self.engine.eos_token_ids, self.engine.max_len,
                               adaptive_k=other.speculative_config.adaptive,
                               relaxed_threshold=other.speculative_config.relaxed_threshold)
-        other._seed_rng = random.Random(self._seed_rng.getrandbits(63))
+        # Its own seed stream, started from this LLM's seed: the derived LLM draws as LLM(seed=...) with this
+        # config would, and this one's stream is not advanced (LLM(seed=1).generate(p) gives the same text
+        # before and after a with_speculative_config call; bench, check and tune make such calls).
+        other._seed_rng = random.Random(self._seed)
         other.kv_memory = kv_pool.KVMemory(other.engine, other.kv_cache_memory, other.enable_prefix_caching)
         return other
 

@@ -75,3 +75,20 @@ def test_bad_llm_arguments_name_the_problem(kwargs, word):
     model = kwargs.pop("model", None) if "model" in kwargs else tiny_llama(seed=0)
     with pytest.raises(QuickdraftError, match=word):
         LLM(model, **kwargs)
+
+
+def test_with_speculative_config_leaves_the_seed_stream_alone():
+    """LLM(seed=1).generate(p) gives the same text whether or not with_speculative_config was called first, and
+    the derived LLM draws what a fresh LLM(seed=1) with that config draws (seeded: the same as plain)."""
+    prompt = {"prompt_token_ids": [1, 2, 3, 4, 1, 2]}
+    params = SamplingParams(temperature=1.0, max_tokens=16)
+
+    def fresh():
+        return LLM(tiny_llama(seed=0), dtype="float32", device="cpu", seed=1)
+
+    want = fresh().generate(prompt, params)[0].outputs[0].token_ids
+    llm = fresh()
+    derived = llm.with_speculative_config({"method": "ngram", "num_speculative_tokens": 3})
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == want
+    assert derived.generate(prompt, params)[0].outputs[0].token_ids == want
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids != want  # the stream does move on per request

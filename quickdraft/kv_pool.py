@@ -388,16 +388,29 @@ class PrefixCache:
         if len(digests) >= full:
             return
         ids = cache.token_ids
+        # A block is kept only under a kept parent: the cache's earlier blocks may have been evicted since they
+        # were stored, and a block whose chain lost a link can never be found again.
+        chained = all(digest in self._blocks for digest in digests)
         for index in range(len(digests), full):
             digest = _chain(digests[-1] if digests else b"", ids[index * BLOCK_SIZE: (index + 1) * BLOCK_SIZE])
             digests.append(digest)
+            if not chained:
+                continue  # still the cache's digests, for its later blocks
             if digest not in self._blocks:
                 if not self._make_room(protect=set(digests)):
-                    break  # later blocks could not be found without this one
+                    chained = False  # later blocks could not be found without this one
+                    continue
                 self._blocks[digest] = cache.read_block(index)
-        for index in range(len(digests), full):  # not kept: still the cache's digests, for its later blocks
-            digests.append(_chain(digests[-1], ids[index * BLOCK_SIZE: (index + 1) * BLOCK_SIZE]))
-        self._touch([d for d in digests if d in self._blocks])
+        self._touch(self._kept_head(digests))
+
+    def _kept_head(self, digests: list[bytes]) -> list[bytes]:
+        """The digests of a chain up to its first block that is not kept (the part a load can find)."""
+        kept = []
+        for digest in digests:
+            if digest not in self._blocks:
+                break
+            kept.append(digest)
+        return kept
 
     def _make_room(self, protect: set[bytes]) -> bool:
         """Room for one more block: free bytes in the pool (or under the cap), else the least recently used

@@ -211,11 +211,17 @@ class Scheduler:
     # --- the KV budget ------------------------------------------------------------------------------------
     @property
     def kv_usage(self) -> dict[str, int] | None:
-        """{"used_blocks", "total_blocks", "block_size", "used_bytes", "budget_bytes", "prefix_cached_blocks"};
-        None without a budget. used_* count the blocks kept for prefix caching too (evictable)."""
+        """{"used_blocks", "total_blocks", "block_size", "used_bytes", "budget_bytes", "prefix_cached_bytes",
+        "prefix_cached_blocks", "request_bytes", "usage"}; None without a budget. used_* count the blocks kept for
+        prefix caching too; request_bytes and usage (its fraction of the budget, vLLM's kv_cache_usage_perc)
+        count only what requests hold: kept prefix blocks are evictable, so they are free memory."""
         if self.pool is None:
             return None
-        return {**self.pool.usage(), "prefix_cached_blocks": -(-self.memory.prefix_bytes() // self.pool.block_bytes)}
+        prefix = self.memory.prefix_bytes()
+        held = self.pool.used_bytes - prefix
+        return {**self.pool.usage(), "prefix_cached_bytes": prefix,
+                "prefix_cached_blocks": -(-prefix // self.pool.block_bytes), "request_bytes": held,
+                "usage": held / self.pool.budget_bytes}
 
     # --- prefix caching -------------------------------------------------------------------------------------
     def _caches_with_prefix(self, seq: Sequence):

@@ -205,3 +205,49 @@ def test_prefix_caching_is_off_by_default_where_rows_are_not_computed_alike():
     with pytest.raises(QuickdraftError, match="enable_prefix_caching"):
         LLM(tiny_llama(seed=0), enable_prefix_caching="yes")
     assert BLOCK_SIZE == 16
+
+
+def test_a_block_whose_parent_was_evicted_is_not_kept():
+    """A kept block's parent is always kept: a running cache whose first blocks were evicted since it stored
+    them adds no more blocks (they could never be found), and only its findable head is touched."""
+    runner = NativeRunner(tiny_llama(seed=0), "tiny")
+    prefix = PrefixCache(runner, max_blocks=2)
+    cache = runner.new_cache()
+    a = _tokens(60, seed=8, vocab=32)
+    runner.forward(cache, torch.tensor(a[:33]))
+    prefix.store(cache)  # a's blocks 0 and 1
+    other = runner.new_cache()
+    b = _tokens(40, seed=9, vocab=32)
+    runner.forward(other, torch.tensor(b))
+    prefix.store(other)  # b's two blocks evict both of a's
+    assert prefix.load(runner.new_cache(), a) == 0 and prefix.load(runner.new_cache(), b) == 32
+    runner.forward(cache, torch.tensor(a[33:]))  # a goes on to 60 positions: block 2 is full now
+    prefix.store(cache)
+    assert len(prefix) == 2 and prefix.load(runner.new_cache(), b) == 32  # no orphan took b's place
+    assert len(cache.block_digests) == 3  # the cache still knows its chain for later blocks
+
+
+def test_kept_prefix_blocks_count_as_free_in_the_usage_gauge():
+    """vLLM's kv_cache_usage_perc counts blocks no request holds as free: an idle server whose pool holds only
+    kept prefixes reports 0, and a running request's share counts without the kept blocks."""
+    from prometheus_client import generate_latest
+
+    from quickdraft.server.async_engine import EngineStats
+    from quickdraft.server.metrics import ServerMetrics
+
+    llm = LLM(tiny_llama(seed=0), dtype="float32", device="cpu", kv_cache_memory=1 << 20,
+              enable_prefix_caching=True)
+    scheduler = llm.new_scheduler()
+    scheduler.add_request("a", _tokens(40, seed=10, vocab=32), SamplingParams(temperature=0, max_tokens=8))
+    while scheduler.has_unfinished():
+        scheduler.step()
+    usage = scheduler.kv_usage
+    assert usage["used_blocks"] > 0 and usage["prefix_cached_bytes"] == usage["used_bytes"]
+    assert usage["request_bytes"] == 0 and usage["usage"] == 0
+    metrics = ServerMetrics("tiny")
+    metrics.on_iteration(EngineStats(0, 0, usage, 0))
+    assert 'vllm:kv_cache_usage_perc{model_name="tiny"} 0.0' in generate_latest(metrics.registry).decode()
+    scheduler.add_request("b", _tokens(40, seed=10, vocab=32), SamplingParams(temperature=0, max_tokens=8))
+    scheduler.step()
+    usage = scheduler.kv_usage
+    assert 0 < usage["usage"] == (usage["used_bytes"] - usage["prefix_cached_bytes"]) / usage["budget_bytes"]

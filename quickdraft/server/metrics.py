@@ -4,7 +4,8 @@ Each app has its own CollectorRegistry, so several apps (tests) do not collide. 
 scheduler's metrics: spec-decode counts and generation tokens are added when a completion finishes, from
 what it output (a draft cut by a stop string is not counted); request_success counts completions by finish
 reason (stop, length, abort, error). The gauges are the scheduler's state after each engine iteration;
-kv_cache_usage_perc is the fraction of the KV budget's blocks in use (0 without a budget).
+kv_cache_usage_perc is the fraction of the KV budget that requests hold (0 without a budget); blocks kept
+only for prefix caching are evictable and count as free, as in vLLM.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ class ServerMetrics:
                                              "Draft tokens accepted, by position in the draft.", ("position",))
         self.running = gauge("vllm:num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Sequences waiting to be admitted.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of the KV cache budget's blocks in use "
-                                                          "(0 without a budget).")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of the KV cache budget held by requests; "
+                                                          "prefix-cached blocks are free (0 without a budget).")
         self.preemptions = counter("vllm:num_preemptions", "Sequences preempted for KV memory (recomputed later).")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated (output).")
@@ -68,7 +69,7 @@ class ServerMetrics:
         self.running.labels(name).set(stats.num_running)
         self.waiting.labels(name).set(stats.num_waiting)
         usage = stats.kv_usage
-        self.kv_usage.labels(name).set(usage["used_blocks"] / usage["total_blocks"] if usage else 0.0)
+        self.kv_usage.labels(name).set(usage["usage"] if usage else 0.0)
         if stats.num_preemptions > self._preemptions_seen:
             self.preemptions.labels(name).inc(stats.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = stats.num_preemptions

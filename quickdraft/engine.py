@@ -69,7 +69,7 @@ class Engine:
         seq = Sequence(prompt_ids, params, generator, self.device, vocab, noise_key)
         seq.target_cache = self.target.new_cache()
         seq.metrics.num_speculative_tokens = self.k
-        seq.metrics.lossy = self.relaxed_threshold is not None and self.k > 0
+        seq.relaxed = seq.metrics.lossy = self.relaxed_threshold is not None and self.k > 0
         seq.draft_state = self.proposer.new_state(seq)
         return seq
 

@@ -168,6 +168,8 @@ class Sequence:
         self.acceptance = adaptive.AcceptanceStats()
         self.finish_reason: str | None = None
         self.metrics = RequestMetrics(num_prompt_tokens=len(prompt_ids))
+        # Verified with the LOSSY relaxed acceptance (set by the engine; mirrored in metrics.lossy).
+        self.relaxed = False
         self._token_ids = list(prompt_ids)
         self._log_noise: dict[int, torch.Tensor] = {}  # output position -> log E [V] (see log_noise)
 
@@ -179,6 +181,13 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def needs_draft_probs(self) -> bool:
+        """Whether verification reads the q a draft token was drawn from: sampled rows under rejection
+        sampling, and seeded rows under the relaxed test p(x) >= threshold * q(x). Greedy rows, and seeded rows
+        verified exactly (matching the target's own noise-keyed draws), need tokens only."""
+        return not self.params.greedy and (self.noise_key is None or self.relaxed)
 
     def log_noise(self, first: int, count: int, vocab: int) -> torch.Tensor:
         """log E of output positions first .. first+count-1 (sampling.position_noise under this sequence's

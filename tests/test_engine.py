@@ -321,3 +321,34 @@ def test_relaxed_acceptance_is_lossy_labelled_and_never_the_default():
     assert sum(o.metrics.accepted_tokens for o in out) > exact_rate
     sampled = relaxed.generate(prompts, SamplingParams(temperature=0.8, max_tokens=8, seed=3))
     assert all(o.metrics.lossy for o in sampled)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_relaxed_acceptance_of_a_seeded_model_draft_tests_against_its_q(method, monkeypatch, tmp_path):
+    """The documented relaxed test is p(x) >= threshold * q(x). A seeded request's draft draws with the target's
+    position noise and an exact verification needs no q; the relaxed one does: it must get the draft's own
+    processed distribution, not a one-hot (which turned the test into p(x) >= threshold)."""
+    from quickdraft import verify
+
+    target = tiny_llama(seed=0)
+    if method == "eagle":
+        from test_eagle import _head_dir
+
+        plain = LLM(target, dtype="float32")
+        config = {"method": "eagle", "model": _head_dir(plain, tmp_path, range(32)), "eagle_lookup": False}
+    else:
+        config = {"model": tiny_llama(seed=7)}
+    llm = LLM(target, dtype="float32", speculative_config={**config, "num_speculative_tokens": 3, "adaptive": False,
+                                                           "acceptance": "relaxed", "threshold": 0.5})
+    seen = []
+    original = verify.relaxed_accepts
+
+    def spy(p, q, draft_tokens, threshold):
+        seen.append(q)
+        return original(p, q, draft_tokens, threshold)
+
+    monkeypatch.setattr(verify, "relaxed_accepts", spy)
+    llm.generate({"prompt_token_ids": [1, 5, 9, 3]}, SamplingParams(temperature=0.8, max_tokens=12, seed=4))
+    assert seen and all(q is not None for q in seen)
+    for q in seen:  # [1, k, V]: distributions, not one-hot rows
+        assert torch.allclose(q.sum(-1), torch.ones(q.shape[:-1]), atol=1e-4) and (q < 1 - 1e-6).all()

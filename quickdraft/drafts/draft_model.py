@@ -96,9 +96,8 @@ class DraftModelProposer(Proposer):
             catch_ups[j] = max(0, len(history) - start - 2)  # a step reads the bonus and maybe its last draft
             feeds[j] = torch.tensor(history[start:], dtype=torch.long, device=self.runner.device)
             tokens[j] = torch.empty(ks[j], dtype=torch.long, device=seq.device)
-            coupled = seq.noise_key is not None  # drawn with the target's position noise: no q needed
-            probs[j] = None if seq.params.greedy or coupled else torch.empty(ks[j], self.target_vocab_size,
-                                                                             device=seq.device)
+            probs[j] = torch.empty(ks[j], self.target_vocab_size, device=seq.device) if seq.needs_draft_probs \
+                else None
         for i in range(max(ks, default=0)):
             rows = [j for j in active if ks[j] > i]
             logits = self.runner.forward_batch([seqs[j].draft_state for j in rows], [feeds[j] for j in rows],

@@ -314,17 +314,18 @@ class EagleProposer(Proposer):
 
     def _draw(self, seq, logits: torch.Tensor, pending: torch.Tensor, i: int):
         """One draft token from the head's logits [V'] at draft position i, and its processed full-vocabulary
-        distribution q [V] (None where verification needs none: greedy, or a seeded draw)."""
+        distribution q [V] (None where verification needs none: greedy, or a seeded draw verified exactly)."""
         if seq.params.greedy and seq.penalties is None:
             return self.vocab_ids[logits.argmax()].reshape(1), None
         full = torch.full((1, self.target_vocab_size), float("-inf"), device=seq.device)
         full[0, self.vocab_ids.to(seq.device)] = logits.to(seq.device).float()
         processed = seq.process(full, pending, first_row=i)  # [1, V]
+        q = processed[0] if seq.needs_draft_probs else None
         if seq.noise_key is not None:
             log_noise = seq.log_noise(len(seq.output_ids) + i, 1, processed.shape[-1])
-            return sampling.scores_with_log_noise(processed, log_noise).argmax(-1), None
+            return sampling.scores_with_log_noise(processed, log_noise).argmax(-1), q
         token = sampling.sample(processed, seq.params, seq.generator)
-        return token.reshape(1), (None if seq.params.greedy else processed[0])
+        return token.reshape(1), q
 
     def propose(self, seq, k: int) -> Proposal:
         return self.propose_batch([seq], [k])[0]

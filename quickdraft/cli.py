@@ -68,8 +68,10 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
     add_speculative_config_argument(p)
     p.add_argument("--compare", action="store_true",
-                   help="also decode without speculation (same model, same parameters) and print both speeds and "
+                   help="also decode without speculation (same model, same parameters): both modes warmed up, "
+                        "then --compare-rounds interleaved rounds; prints the median speedup, its spread, and "
                         "whether the texts are identical")
+    p.add_argument("--compare-rounds", type=int, default=3, help="rounds of --compare (default 3)")
     p.set_defaults(func=run_generate)
 
 
@@ -310,51 +312,118 @@ def run_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model or DEFAULT_MODEL, speculative_config=spec, dtype=args.dtype, device=args.device,
               trust_remote_code=args.trust_remote_code, runner=args.runner)
     prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    plain = None
-    if args.compare:
-        # One short warm-up (first-call allocations, rotary tables), then plain decoding, then speculative: each
-        # run finds the model equally warm.
-        llm.with_speculative_config({"method": "none"}).generate(prompt, SamplingParams(temperature=0, max_tokens=4))
-        plain = llm.with_speculative_config({"method": "none"}).generate(prompt, params)[0]
-    stream = llm.stream(prompt, params)
-    for delta in stream:
-        if not args.json:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-    out = stream.output
+    if args.compare and not (isinstance(args.compare_rounds, int) and args.compare_rounds >= 1):
+        raise QuickdraftError(f"--compare-rounds must be an integer >= 1, got {args.compare_rounds!r}")
+    rounds = compare_rounds(llm, prompt, params, args.compare_rounds, echo=not args.json) if args.compare else None
+    if rounds is None:
+        out = _streamed(llm, prompt, params, echo=not args.json)
+    else:
+        out = rounds.spec[0]
     completion = out.outputs[0]
     method, k = llm.speculative_config.method, llm.speculative_config.effective_k
     if args.json:
         result = {"text": completion.text, "token_ids": completion.token_ids,
                   "finish_reason": completion.finish_reason, "metrics": out.metrics.to_dict()}
-        if plain is not None:
-            result["compare"] = {"plain_metrics": plain.metrics.to_dict(),
-                                 "identical": plain.outputs[0].token_ids == completion.token_ids,
-                                 "speedup": _speedup(out.metrics, plain.metrics)}
+        if rounds is not None:
+            result["compare"] = rounds.to_dict()
         print(json.dumps(result))
     else:
         sys.stdout.write("\n")
         print(summary_line(out.metrics, method, k), file=sys.stderr)
-        if plain is not None:
-            print(compare_line(out.metrics, plain.metrics, plain.outputs[0].token_ids == completion.token_ids,
-                               params), file=sys.stderr)
+        if rounds is not None:
+            print(rounds.line(params), file=sys.stderr)
     return 0
+
+
+def _streamed(llm, prompt, params, echo: bool):
+    """Generate one prompt, writing its text to stdout as it comes (echo); returns the RequestOutput."""
+    stream = llm.stream(prompt, params)
+    for delta in stream:
+        if echo:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    return stream.output
+
+
+class CompareRounds:
+    """--compare: the same prompt decoded with and without speculation, round by round (outputs in run order)."""
+
+    def __init__(self) -> None:
+        self.plain: list[Any] = []
+        self.spec: list[Any] = []
+
+    @property
+    def speedups(self) -> list[float | None]:
+        """Per round, speculative tok/s over plain tok/s: a ratio within one round, where both runs met the
+        same machine state."""
+        return [_speedup(s.metrics, p.metrics) for s, p in zip(self.spec, self.plain)]
+
+    @property
+    def identical(self) -> bool:
+        want = self.plain[0].outputs[0].token_ids
+        return all(out.outputs[0].token_ids == want for out in self.plain + self.spec)
+
+    @staticmethod
+    def _median(values: list[float]) -> float | None:
+        values = sorted(v for v in values if v is not None)
+        if not values:
+            return None
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+    def tok_s(self, outputs: list[Any]) -> float | None:
+        return self._median([out.metrics.tokens_per_s for out in outputs])
+
+    def to_dict(self) -> dict[str, Any]:
+        speedups = [s for s in self.speedups if s is not None]
+        return {"rounds": len(self.spec), "speedup": self._median(speedups),
+                "speedup_min": min(speedups, default=None), "speedup_max": max(speedups, default=None),
+                "round_speedups": self.speedups, "plain_tokens_per_s": self.tok_s(self.plain),
+                "spec_tokens_per_s": self.tok_s(self.spec), "identical": self.identical,
+                "plain_metrics": self.plain[0].metrics.to_dict()}
+
+    def line(self, params) -> str:
+        data = self.to_dict()
+        same = "identical" if data["identical"] else "different"
+        if not data["identical"] and not params.greedy and params.seed is None:
+            same += " (sampled without --seed: each run draws anew; add --seed to compare texts)"
+        elif not data["identical"] and params.greedy:
+            same += " (greedy: a near-tie that rounds differently, or a bug; please report it)"
+        speed = ""
+        if data["speedup"] is not None:
+            spread = (f"; rounds {data['speedup_min']:.2f}-{data['speedup_max']:.2f}x" if data["rounds"] > 1
+                      else "; 1 round: no spread measured")
+            speed = f" ({data['speedup']:.2f}x, median of {data['rounds']} interleaved rounds{spread})"
+        return (f"[quickdraft] without speculation: {self.plain[0].metrics.num_generated_tokens} tokens, "
+                f"{data['plain_tokens_per_s'] or 0:.1f} tok/s | with: {data['spec_tokens_per_s'] or 0:.1f} tok/s"
+                + speed + f" | texts {same}")
+
+
+def compare_rounds(llm, prompt, params, rounds: int, echo: bool) -> CompareRounds:
+    """Warm both modes (first-call allocations, and the step costs adaptive K measures while running: a cold
+    first speculative run priced drafting wrongly and turned it off), then `rounds` rounds, the order of the
+    two modes alternating by round (the machine's speed drifts); the first speculative run streams its text."""
+    from quickdraft import SamplingParams
+
+    plain_llm = llm.with_speculative_config({"method": "none"})
+    warm = SamplingParams(temperature=0, max_tokens=min(32, params.max_tokens))
+    for each in (plain_llm, llm):
+        each.generate(prompt, warm)
+    result = CompareRounds()
+    for index in range(rounds):
+        order = ("plain", "spec") if index % 2 == 0 else ("spec", "plain")
+        for mode in order:
+            if mode == "plain":
+                result.plain.append(plain_llm.generate(prompt, params)[0])
+            elif not result.spec:
+                result.spec.append(_streamed(llm, prompt, params, echo))
+            else:
+                result.spec.append(llm.generate(prompt, params)[0])
+    return result
 
 
 def _speedup(spec, plain) -> float | None:
     return spec.tokens_per_s / plain.tokens_per_s if spec.tokens_per_s and plain.tokens_per_s else None
-
-
-def compare_line(spec, plain, identical: bool, params) -> str:
-    speedup = _speedup(spec, plain)
-    same = "identical" if identical else "different"
-    if not identical and not params.greedy and params.seed is None:
-        same += " (sampled without --seed: each run draws anew; add --seed to compare texts)"
-    elif not identical and params.greedy:
-        same += " (greedy: a near-tie that rounds differently, or a bug; please report it)"
-    return (f"[quickdraft] without speculation: {plain.num_generated_tokens} tokens, {plain.tokens_per_s or 0:.1f} tok/s"
-            f" | with: {spec.tokens_per_s or 0:.1f} tok/s" + (f" ({speedup:.2f}x)" if speedup else "")
-            + f" | texts {same}")
 
 
 def build_parser() -> argparse.ArgumentParser:

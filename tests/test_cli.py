@@ -34,6 +34,7 @@ def _cli(*args, timeout=300):
     (["generate", "hi", "--stop", ""], "stop strings"),
     (["generate", "hi", "--k", "two"], "invalid int value"),
     (["generate", "hi", "--dtype", "int4"], "invalid choice"),
+    (["generate", "hi", "--compare", "--compare-rounds", "0"], "--compare-rounds"),
 ])
 def test_bad_input_exits_2_with_a_clear_message(args, word):
     result = _cli(*args)
@@ -84,3 +85,36 @@ def test_the_readme_first_command_shows_what_speculation_did():
     assert data["compare"]["identical"] and m["accepted_tokens"] > 0
     assert m["num_generated_tokens"] == len(data["token_ids"]) <= m["target_forwards"] + m["accepted_tokens"]
     assert m["mean_acceptance_length"] == pytest.approx(1 + m["accepted_tokens"] / m["num_drafts"])
+
+
+def test_compare_warms_both_modes_then_interleaves_rounds_and_reports_the_median(monkeypatch):
+    """Issue 21.8: the speculative run went first, paid the warm-up, and adaptive K priced drafting from that
+    cold run; one ratio of two runs was a random number. Now both modes are warmed, then each round runs both,
+    the order alternating, and the figure is the median of the rounds' ratios with their spread."""
+    from conftest import tiny_llama
+    from quickdraft import LLM, SamplingParams
+    from quickdraft.cli import compare_rounds
+
+    calls = []
+
+    def spy(method):
+        def wrapped(self, prompt, params=None):
+            calls.append(("spec" if self.speculative_config.method != "none" else "plain", params.max_tokens))
+            return method(self, prompt, params)
+        return wrapped
+
+    monkeypatch.setattr(LLM, "generate", spy(LLM.generate))
+    monkeypatch.setattr(LLM, "stream", spy(LLM.stream))
+    llm = LLM(tiny_llama(seed=0), dtype="float32", device="cpu",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    prompt = {"prompt_token_ids": [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]}
+    params = SamplingParams(temperature=0, max_tokens=40)
+    rounds = compare_rounds(llm, prompt, params, 3, echo=False)
+    assert calls[:2] == [("plain", 32), ("spec", 32)]  # the warm-ups
+    assert [mode for mode, _ in calls[2:]] == ["plain", "spec", "spec", "plain", "plain", "spec"]
+    data = rounds.to_dict()
+    assert data["rounds"] == 3 and data["identical"]
+    ratios = sorted(data["round_speedups"])
+    assert data["speedup"] == ratios[1] and data["speedup_min"] == ratios[0] and data["speedup_max"] == ratios[2]
+    line = rounds.line(params)
+    assert "median of 3 interleaved rounds; rounds" in line and "texts identical" in line

@@ -20,7 +20,8 @@ PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 1.0
 DECAY = 0.9
 # Before a step of some k has been timed, its cost relative to a plain step is extrapolated with this slope
-# per draft token (in bf16 on an AMX CPU, verifying 8 tokens costs about 1.15x one: ~0.02 per token).
+# per draft token (measured in bf16: verifying 8 tokens costs about 1.15x one on a CPU with AMX, ~0.02 per
+# token, and 1.5-1.7x one on AVX512-BF16 without AMX, ~0.08; the prior sits between until steps are timed).
 PRIOR_COST_SLOPE = 0.05
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from quickdraft import kv_pool
-from quickdraft.drafts import DraftContext, LoadedDraft, Proposer, SpeculativeConfig, build_proposer, read_config
+from quickdraft.drafts import METHODS, DraftContext, LoadedDraft, Proposer, SpeculativeConfig, build_proposer, read_config
 from quickdraft.engine import Engine, RequestMetrics
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import loader
@@ -89,9 +89,9 @@ class LLM:
 
     model: an alias (smollm2-135m, gemma3-270m), a .gguf file, a model directory, a hub id, or a loaded
         transformers model (then pass `tokenizer` too, or drive it with prompt_token_ids).
-    speculative_config: {"method": "ngram"|"draft_model"|"layer_skip"|"quantized"|"none",
-        "num_speculative_tokens": K, "adaptive": True, "model": ..., "num_layers": ..., "quantization": "int8",
-        "prompt_lookup_min": ..., "prompt_lookup_max": ...} (see SpeculativeConfig).
+    speculative_config: {"method": one of {methods}, "num_speculative_tokens": K, "adaptive": True,
+        "model": ..., "num_layers": ..., "quantization": "int8", "prompt_lookup_min": ...,
+        "prompt_lookup_max": ...} (see SpeculativeConfig), or a JSON file of one.
     speculative_model / num_speculative_tokens: shorthand for method draft_model.
     dtype: auto (bf16 on CUDA and on CPUs with native bf16, else float32; a model object keeps its own),
         float32, bfloat16, float16.
@@ -383,3 +383,7 @@ class LLM:
     def stream_chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None,
                     chat_template: str | None = None) -> TextStream:
         return self.stream(self.chat_prompt(messages, chat_template), sampling_params)
+
+
+# The methods the docstring lists come from the draft registry, so that it names every one.
+LLM.__doc__ = LLM.__doc__.replace("{methods}", "|".join(f'"{method}"' for method in METHODS))

@@ -24,6 +24,13 @@ def add_speculative_config_argument(p) -> None:
                         "replaces --draft, --k and --fixed-k")
 
 
+def add_draft_argument(p, default: str = "ngram") -> None:
+    """--draft, its help string from the draft registry (every method's own spelling)."""
+    from quickdraft.drafts import draft_help
+
+    p.add_argument("--draft", default=default, help=draft_help(default))
+
+
 def speculative_spec(args: argparse.Namespace) -> dict[str, Any]:
     """The speculative_config the command line asks for: --speculative-config, else --draft, --k and --fixed-k;
     checked before any model loads."""
@@ -43,8 +50,7 @@ def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text with speculative decoding")
     p.add_argument("prompt", help="the prompt (a user message with --chat)")
     p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
-    p.add_argument("--draft", default="ngram", help="ngram | suffix | eagle[:HEAD_DIR] | layers:N | quantized[:int8|q4] (the target in int8 or 4 bits) | none | a draft MODEL "
-                   "(default: ngram)")
+    add_draft_argument(p)
     p.add_argument("--k", type=int, default=5, help="speculative tokens per step (default 5)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -78,7 +84,7 @@ def add_generate_parser(sub) -> None:
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)")
     p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
-    p.add_argument("--draft", default="ngram", help="ngram | suffix | eagle[:HEAD_DIR] | layers:N | quantized[:int8|q4] | none | a draft MODEL (default: ngram)")
+    add_draft_argument(p)
     p.add_argument("--k", type=int, default=5, help="largest speculative tokens per step (default 5)")
     p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
     add_speculative_config_argument(p)
@@ -122,8 +128,7 @@ def add_batch_parser(sub) -> None:
                    "'prompt_token_ids', an optional 'id' and optional sampling fields")
     p.add_argument("--output", required=True, help="JSONL: one result per record, in input order")
     p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
-    p.add_argument("--draft", default="ngram",
-                   help="ngram | layers:N | quantized[:int8|q4] | none | a draft MODEL (default: ngram)")
+    add_draft_argument(p)
     p.add_argument("--k", type=int, default=5, help="largest speculative tokens per step (default 5)")
     p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
     add_speculative_config_argument(p)

@@ -118,3 +118,23 @@ def test_compare_warms_both_modes_then_interleaves_rounds_and_reports_the_median
     assert data["speedup"] == ratios[1] and data["speedup_min"] == ratios[0] and data["speedup_max"] == ratios[2]
     line = rounds.line(params)
     assert "median of 3 interleaved rounds; rounds" in line and "texts identical" in line
+
+
+def test_every_draft_help_and_the_llm_docstring_name_every_registered_method():
+    """Help strings had drifted (batch lacked suffix and eagle, check quantized:q4, the LLM docstring listed
+    five of seven methods): they are built from the draft registry now."""
+    import argparse
+
+    from quickdraft import LLM
+    from quickdraft.cli import build_parser
+    from quickdraft.drafts import METHODS, PROPOSERS
+
+    spellings = [cls.spelling for cls in PROPOSERS.values() if cls.spelling]
+    assert len(spellings) == len(PROPOSERS)
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("generate", "serve", "batch", "check"):
+        draft = next(a for a in subparsers.choices[command]._actions if "--draft" in a.option_strings)
+        for spelling in spellings:
+            assert spelling in draft.help, (command, spelling)
+    for method in METHODS:
+        assert f'"{method}"' in LLM.__doc__

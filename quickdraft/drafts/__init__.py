@@ -182,6 +182,13 @@ def build_proposer(config: SpeculativeConfig, context: DraftContext) -> Proposer
     return PROPOSERS[config.method].from_config(config, context)
 
 
+def draft_help(default: str | None = "ngram") -> str:
+    """The --draft help string, from the registry's spellings (lookups first, a draft model last)."""
+    spellings = [cls.spelling for cls in PROPOSERS.values() if cls.spelling and cls is not DraftModelProposer]
+    text = " | ".join(spellings + [DraftModelProposer.spelling])
+    return text + (f" (default: {default})" if default else "")
+
+
 def parse_draft(draft: str, k: int) -> dict[str, Any]:
     """The command line's --draft: ngram | suffix | eagle[:HEAD_DIR] | layers:N | quantized[:int8|q4] | none | a
     draft MODEL -> a speculative_config."""
@@ -207,4 +214,4 @@ def parse_draft(draft: str, k: int) -> dict[str, Any]:
 __all__ = ["METHODS", "PROPOSERS", "SpeculativeConfig", "DraftContext", "LoadedDraft", "Proposal", "Proposer", "NoDraft",
            "NgramProposer", "DraftModelProposer", "LayerSkipProposer", "QuantizedSelfProposer", "SuffixProposer",
            "EagleProposer",
-           "build_proposer", "parse_draft"]
+           "build_proposer", "draft_help", "parse_draft"]

@@ -59,6 +59,8 @@ class Proposer(ABC):
     the object returned by `new_state` and is stored on the Sequence, so proposers serve many requests."""
 
     name: str = "proposer"
+    # How the command line's --draft names the method (help strings are built from these); "" for none.
+    spelling: str = ""
     runs_a_model: bool = False  # drafts cost forwards (batched per draft position), not lookups
     # Reads the target's final hidden states (EAGLE): the engine then asks the target's forward for them and
     # hands each sequence's committed rows to `observe`.

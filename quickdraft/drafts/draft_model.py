@@ -34,6 +34,7 @@ def same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str, draft_n
 
 class DraftModelProposer(Proposer):
     name = "draft_model"
+    spelling = "a draft MODEL"
     runs_a_model = True
 
     def __init__(self, runner: Runner, target_vocab_size: int):

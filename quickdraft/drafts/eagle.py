@@ -231,6 +231,7 @@ class _EagleState:
 
 class EagleProposer(Proposer):
     name = "eagle"
+    spelling = "eagle[:HEAD_DIR]"
     runs_a_model = True
     uses_target_features = True
 

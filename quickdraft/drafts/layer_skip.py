@@ -9,6 +9,7 @@ from quickdraft.models.runner import Runner
 
 class LayerSkipProposer(DraftModelProposer):
     name = "layer_skip"
+    spelling = "layers:N"
 
     def __init__(self, target: Runner, num_layers: int, quantization: str | None = None):
         runner = target.truncated(num_layers)

@@ -27,6 +27,7 @@ def find_continuation(ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.nda
 
 class NgramProposer(Proposer):
     name = "ngram"
+    spelling = "ngram"
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         super().__init__()

@@ -7,6 +7,7 @@ from quickdraft.drafts.base import Proposal, Proposer
 
 class NoDraft(Proposer):
     name = "none"
+    spelling = "none"
 
     def propose(self, seq, k: int) -> Proposal:
         return Proposal.empty(seq.device)

@@ -11,11 +11,13 @@ never the text."""
 from __future__ import annotations
 
 from quickdraft.drafts.draft_model import DraftModelProposer
+from quickdraft.models.native import QUANTIZATION_SCHEMES
 from quickdraft.models.runner import Runner
 
 
 class QuantizedSelfProposer(DraftModelProposer):
     name = "quantized"
+    spelling = f"quantized[:{'|'.join(QUANTIZATION_SCHEMES)}]"
 
     def __init__(self, target: Runner, scheme: str = "int8"):
         super().__init__(target.quantized(scheme), target.vocab_size)

@@ -553,6 +553,7 @@ def _released(queue: deque, doc: _Doc, seq_ref) -> None:
 
 class SuffixProposer(Proposer):
     name = "suffix"
+    spelling = "suffix"
 
     def __init__(self, max_depth: int = DEFAULT_MAX_DEPTH, max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS,
                  max_spec_factor: float = DEFAULT_MAX_SPEC_FACTOR, min_token_prob: float = DEFAULT_MIN_TOKEN_PROB,

@@ -720,6 +720,8 @@ def _test(path: str, drawn: list[list[tuple[int, ...]]], metrics: list, laws: li
 
 # --- the command line -----------------------------------------------------------------------------------
 def add_parser(sub) -> None:
+    from quickdraft.drafts import draft_help
+
     p = sub.add_parser("check", help="check that speculative output is plain decoding's (greedy equality and the "
                                      "sampled law) on your prompts, model, draft and sampling settings",
                        description="Exit status: 0 PASS, 1 FAIL, 2 bad input.")
@@ -727,8 +729,7 @@ def add_parser(sub) -> None:
                    help="a text file with one prompt per line, or JSONL: Spec-Bench records (the first of 'turns'), "
                         "'prompt' or 'prompt_token_ids' records")
     p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
-    p.add_argument("--draft", default="ngram",
-                   help="ngram | suffix | eagle[:HEAD_DIR] | layers:N | quantized | a draft MODEL (default: ngram)")
+    p.add_argument("--draft", default="ngram", help=draft_help())
     p.add_argument("--k", type=int, default=5, help="speculative tokens per step (default 5)")
     p.add_argument("--adaptive", action="store_true",
                    help="adaptive K as `generate` runs it (default: a fixed K, so that the check is reproducible)")

@@ -21,7 +21,7 @@ from quickdraft.models.runner import RUNNERS, make_runner
 from quickdraft.params import SEED_MAX, SEED_MIN, SamplingParams
 from quickdraft.sampling import derive_key
 from quickdraft.scheduler import Request, Scheduler
-from quickdraft.sequence import Sequence
+from quickdraft.sequence import PositionLogprobs, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     cumulative_logprob: float | None = None
+    # SamplingParams.logprobs: per output token, {token id: Logprob} of the token and its alternatives.
+    logprobs: list[PositionLogprobs] | None = None
 
 
 @dataclass
@@ -45,6 +47,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     finished: bool = True
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first), as CompletionOutput.logprobs.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 class TextStream:
@@ -299,12 +303,29 @@ class LLM:
         16 positions and the tokens they hold (each scheduler gets this budget)."""
         return kv_pool.estimate(self.engine, getattr(self, "kv_cache_memory", None))
 
-    @staticmethod
-    def _output(text: str | None, prompt_ids: list[int], request: Request) -> RequestOutput:
-        completions = [CompletionOutput(index, detok.text, list(seq.output_ids), seq.finish_reason)
-                       for index, (seq, detok) in enumerate(zip(request.sequences, request.detokenizers))]
+    def _output(self, text: str | None, prompt_ids: list[int], request: Request) -> RequestOutput:
+        completions = []
+        for index, (seq, detok) in enumerate(zip(request.sequences, request.detokenizers)):
+            logprobs = self.decode_logprobs(seq.logprobs)
+            cumulative = sum(entry[t].logprob for entry, t in zip(logprobs, seq.output_ids)) \
+                if logprobs is not None else None
+            completions.append(CompletionOutput(index, detok.text, list(seq.output_ids), seq.finish_reason,
+                                                cumulative, logprobs))
+        first = request.sequences[0]
         return RequestOutput(request.request_id, text, prompt_ids, completions,
-                             RequestMetrics.combine([seq.metrics for seq in request.sequences], concurrent=True))
+                             RequestMetrics.combine([seq.metrics for seq in request.sequences], concurrent=True),
+                             prompt_logprobs=self.decode_logprobs(first.prompt_logprobs))
+
+    def decode_logprobs(self, positions: list[PositionLogprobs | None] | None) -> list[PositionLogprobs | None] | None:
+        """Fill each Logprob's decoded_token (the token's own text) where there is a tokenizer."""
+        if positions is None or self.tokenizer is None:
+            return positions
+        ids = sorted({t for entry in positions if entry for t in entry})
+        texts = dict(zip(ids, self.tokenizer.batch_decode([[t] for t in ids])))
+        for entry in positions:
+            for token_id, logprob in (entry or {}).items():
+                logprob.decoded_token = texts[token_id]
+        return positions
 
     def _run(self, prompt: Prompt, params: SamplingParams, request_id: str) -> Iterator[str]:
         """Generate all n completions of one request, yielding the first completion's text deltas; returns the

@@ -20,7 +20,7 @@ from quickdraft.drafts.base import Proposal, Proposer
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.runner import Runner
 from quickdraft.params import SamplingParams
-from quickdraft.sequence import RequestMetrics, Sequence, prefetch_log_noise
+from quickdraft.sequence import Logprob, PositionLogprobs, RequestMetrics, Sequence, prefetch_log_noise
 
 __all__ = ["Engine", "RequestMetrics", "Sequence"]
 
@@ -63,10 +63,15 @@ class Engine:
         bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise QuickdraftError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if params.logit_bias is not None and max(params.logit_bias) >= vocab:
+            raise QuickdraftError(f"logit_bias names token {max(params.logit_bias)}, but the vocabulary has {vocab} "
+                                  f"tokens (ids 0..{vocab - 1})")
         if len(prompt_ids) >= self.max_len:
             raise QuickdraftError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_len}; "
                                   "shorten the prompt so that at least one token can be generated")
         seq = Sequence(prompt_ids, params, generator, self.device, vocab, noise_key)
+        if params.prompt_logprobs is not None and len(prompt_ids) == 1:
+            seq.prompt_logprobs = [None]  # a one-token prompt has nothing to score
         seq.target_cache = self.target.new_cache()
         seq.metrics.num_speculative_tokens = self.k
         seq.relaxed = seq.metrics.lossy = self.relaxed_threshold is not None and self.k > 0
@@ -129,15 +134,23 @@ class Engine:
             caches.append(cache)
             histories.append(len(history))
             feeds.append(torch.cat([torch.tensor(history[start:], dtype=torch.long, device=self.device), draft]))
+        # A sequence that asked for prompt_logprobs scores every prompt row in its first forward (its feed is
+        # the whole prompt then: the scheduler loads no cached prefix for it).
+        prompt_rows = [int(feed.numel()) - 1 if seq.wants_prompt_logprobs and k == 0 else 0
+                       for seq, feed, k in zip(seqs, feeds, ks)]
+        num_logits = [k + 1 + extra for k, extra in zip(ks, prompt_rows)]
         hidden = None
         if self.proposer.uses_target_features:  # the same forward also gives every row's final hidden state
-            logits, hidden = self.target.forward_batch(caches, feeds, [k + 1 for k in ks], return_hidden=True)
+            logits, hidden = self.target.forward_batch(caches, feeds, num_logits, return_hidden=True)
         else:
-            logits = self.target.forward_batch(caches, feeds, [k + 1 for k in ks])  # [sum(k_i + 1), V]
+            logits = self.target.forward_batch(caches, feeds, num_logits)  # [sum(num_logits), V]
+        if any(prompt_rows):
+            logits = self._record_prompt_logprobs(seqs, feeds, histories, logits, num_logits, prompt_rows)
         t2 = time.perf_counter()
 
-        n_tokens = self._verify_batch(seqs, logits, drafts, proposals)
+        n_tokens = self._verify_batch(seqs, logits, drafts, proposals)  # logits: [sum(k_i + 1), V]
         t3 = time.perf_counter()
+        step_logprobs = self._output_logprobs(seqs, logits, drafts, n_tokens)
         if hidden is not None:  # [sum(n_i), hidden]: hand each sequence the features of its committed positions
             row = 0
             for seq, feed, k, length, (n, _) in zip(seqs, feeds, ks, histories, n_tokens):
@@ -150,8 +163,8 @@ class Engine:
             self.batch_costs.record(sum(int(feed.numel()) for feed in feeds), t3 - t1, sum(k > 0 for k in ks),
                                     draft_forwards, None if caught_up else t1 - t0)
         committed = []
-        for seq, proposal, draft, k, cache, length, feed, (n, token) in zip(
-                seqs, proposals, drafts, ks, caches, histories, feeds, n_tokens):
+        for seq, proposal, draft, k, cache, length, feed, (n, token), logprobs in zip(
+                seqs, proposals, drafts, ks, caches, histories, feeds, n_tokens, step_logprobs):
             cache.rollback(length + n)  # keep the committed drafts, drop the rejected ones
             metrics = seq.metrics
             metrics.target_forwards += 1
@@ -166,8 +179,43 @@ class Engine:
                 # cost of drafting k. Batched steps are not timed (their cost depends on the batch).
                 if len(seqs) == 1 and feed.numel() == k + 1 and not proposal.catch_up:
                     self.step_costs.record(k, time.perf_counter() - t0)
-            committed.append(seq.commit(draft[:n].tolist(), k, token, self.eos_token_ids, self.max_len))
+            committed.append(seq.commit(draft[:n].tolist(), k, token, self.eos_token_ids, self.max_len, logprobs))
         return committed
+
+    @staticmethod
+    def _record_prompt_logprobs(seqs: list[Sequence], feeds: list[torch.Tensor], histories: list[int],
+                                logits: torch.Tensor, num_logits: list[int], prompt_rows: list[int]) -> torch.Tensor:
+        """Keep each prompt-scoring sequence's prompt log-probabilities (row i of its feed scores feed token
+        i + 1) and return the verification rows alone, [sum(k_i + 1), V]."""
+        keep, row = [], 0
+        for seq, feed, length, count, extra in zip(seqs, feeds, histories, num_logits, prompt_rows):
+            if extra:
+                start = length - int(feed.numel())  # the feed's first position (0: the whole prompt)
+                entries = sampling.token_logprobs(logits[row: row + extra], feed[1: extra + 1],
+                                                  seq.params.prompt_logprobs)
+                seq.prompt_logprobs = [None] * (start + 1) + [
+                    {t: Logprob(lp, rank) for t, (lp, rank) in entry.items()} for entry in entries]
+            keep.extend(range(row + extra, row + count))
+            row += count
+        return logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
+
+    @staticmethod
+    def _output_logprobs(seqs: list[Sequence], logits: torch.Tensor, drafts: list[torch.Tensor],
+                         n_tokens: list[tuple[int, int]]) -> list[list[PositionLogprobs] | None]:
+        """Per sequence that asked for logprobs, those of the tokens its step emits (the n accepted drafts, then
+        the target's token): rows lo..lo+n of the raw logits [sum(k_i + 1), V], the rows plain decoding
+        computes for those positions; None for the others."""
+        out: list[list[PositionLogprobs] | None] = []
+        lo = 0
+        for seq, draft, (n, token) in zip(seqs, drafts, n_tokens):
+            if seq.params.logprobs is not None:
+                tokens = torch.cat([draft[:n].to(logits.device), torch.tensor([token], device=logits.device)])
+                entries = sampling.token_logprobs(logits[lo: lo + n + 1], tokens, seq.params.logprobs)
+                out.append([{t: Logprob(lp, rank) for t, (lp, rank) in entry.items()} for entry in entries])
+            else:
+                out.append(None)
+            lo += int(draft.numel()) + 1
+        return out
 
     def _verify_batch(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[torch.Tensor],
                       proposals: list[Proposal]) -> list[tuple[int, int]]:
@@ -184,11 +232,12 @@ class Engine:
             bounds.append((row, row + int(draft.numel()) + 1))
             row = bounds[-1][1]
         processed = logits  # [R, V]
-        if any(seq.penalties is not None for seq in seqs):
+        adjusted = [seq.penalties is not None or seq.params.logit_bias is not None for seq in seqs]
+        if any(adjusted):
             processed = logits.clone()
-            for seq, draft, (lo, hi) in zip(seqs, drafts, bounds):
-                if seq.penalties is not None:
-                    seen, counts = seq.penalties.rows(draft, hi - lo)
+            for seq, draft, (lo, hi), adjust in zip(seqs, drafts, bounds, adjusted):
+                if adjust:
+                    seen, counts = seq.penalties.rows(draft, hi - lo) if seq.penalties is not None else (None, None)
                     processed[lo:hi] = sampling.apply_penalties(processed[lo:hi], seq.params, seen, counts)
         sampled = [(lo, hi, seq.params) for seq, (lo, hi) in zip(seqs, bounds) if not seq.params.greedy]
         if sampled:

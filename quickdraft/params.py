@@ -9,6 +9,7 @@ from quickdraft.errors import QuickdraftError
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 
 
 def _is_int(value) -> bool:
@@ -48,6 +49,15 @@ class SamplingParams:
     # quickdraft's own: at most this many draft tokens per step for this request (0: no speculation for it,
     # e.g. a creative high-temperature request where drafts are rarely accepted); None: the engine's K.
     num_speculative_tokens: int | None = None
+    # Log-probabilities (vLLM's names): per output token, the target's log-probability of the token and of its
+    # `logprobs` most likely alternatives (0: the token's own only); per prompt token, `prompt_logprobs` of
+    # them. Raw: log_softmax of the target's logits before any processing, as vLLM's default logprobs_mode
+    # ("raw_logprobs"); from the verification forward, so the same numbers with speculation on or off.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Added to the logits of these token ids (OpenAI's logit_bias, values in [-100, 100]) before penalties, in
+    # the target's rows and the draft's alike, so that verification stays exact.
+    logit_bias: dict[int, float] | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +111,25 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise QuickdraftError(message)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                raise QuickdraftError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (how many alternatives "
+                                      f"to return besides each token's own) or None, got {value!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise QuickdraftError(f"logit_bias must be a mapping of token ids to biases, got "
+                                      f"{type(self.logit_bias).__name__}")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                token_id = int(token) if isinstance(token, str) and token.strip().isdigit() else token
+                if not (_is_int(token_id) and token_id >= 0):
+                    raise QuickdraftError(f"logit_bias keys must be token ids (non-negative integers), got {token!r}")
+                if not (_is_real(value) and -100 <= value <= 100):
+                    raise QuickdraftError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for "
+                                          f"token {token_id}")
+                bias[token_id] = float(value)
+            self.logit_bias = bias or None
 
     @property
     def greedy(self) -> bool:

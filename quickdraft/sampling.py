@@ -56,9 +56,14 @@ class PenaltyHistory:
 def apply_penalties(
     logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None, counts: torch.Tensor | None
 ) -> torch.Tensor:
-    """Repetition (multiplicative, on prompt+output tokens), presence and frequency (additive, on output
-    tokens) penalties. `seen` and `counts` have the shape of `logits`."""
+    """The logit bias (additive, on its token ids), then repetition (multiplicative, on prompt+output tokens),
+    presence and frequency (additive, on output tokens) penalties. `seen` and `counts` have the shape of
+    `logits` (needed only with penalties)."""
     logits = _float(logits)
+    if params.logit_bias:  # first, as vLLM does: penalties then act on the biased logits
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+        values = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        logits = logits.index_add(-1, ids, values.expand(*logits.shape[:-1], -1))
     if not params.uses_penalties:
         return logits
     if seen is None or counts is None:
@@ -130,6 +135,23 @@ def process(
     """Penalised logits for greedy requests, processed probabilities for sampled ones."""
     logits = apply_penalties(logits, params, seen, counts)
     return logits if params.greedy else logits_to_probs(logits, params)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[dict[int, tuple[float, int]]]:
+    """Per row of raw logits [n, V] (row i scores tokens[i]): {token id: (log-probability, rank)} for tokens[i]
+    and the `top` most likely tokens (rank 1 is the most likely). Each row is computed alone, so a row's numbers
+    do not depend on how many rows a step verified (they equal plain decoding's bitwise where the logits do)."""
+    out = []
+    for row, token in zip(logits, tokens.tolist()):
+        logp = torch.log_softmax(row.float(), -1)  # [V]
+        chosen = float(logp[token])
+        entry = {token: (chosen, int((logp > chosen).sum()) + 1)}
+        if top:
+            values, ids = torch.topk(logp, top)
+            for rank, (token_id, value) in enumerate(zip(ids.tolist(), values.tolist()), start=1):
+                entry.setdefault(token_id, (value, rank))
+        out.append(entry)
+    return out
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -231,7 +231,10 @@ class Scheduler:
 
     def _load_prefix(self, seq: Sequence) -> bool:
         """Before a sequence first runs (or reruns after preemption): copy the kept blocks of its longest
-        known prefix into its empty caches. False when the pool could not hold them (it waits)."""
+        known prefix into its empty caches. False when the pool could not hold them (it waits). A sequence
+        that asked for prompt_logprobs loads none: its first forward scores every prompt row."""
+        if seq.wants_prompt_logprobs:
+            return True
         for cache, prefix in self._caches_with_prefix(seq):
             if len(cache):
                 continue

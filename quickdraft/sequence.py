@@ -148,6 +148,20 @@ class RequestMetrics:
         return out
 
 
+@dataclass
+class Logprob:
+    """A token's log-probability under the target (vLLM's name and fields): rank 1 is the most likely token;
+    decoded_token is filled by the API from the tokenizer."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# One position's log-probabilities: the chosen token's and its most likely alternatives', by token id.
+PositionLogprobs = dict[int, Logprob]
+
+
 class Sequence:
     """One request being generated: its tokens, sampling state, caches and metrics."""
 
@@ -170,6 +184,10 @@ class Sequence:
         self.metrics = RequestMetrics(num_prompt_tokens=len(prompt_ids))
         # Verified with the LOSSY relaxed acceptance (set by the engine; mirrored in metrics.lossy).
         self.relaxed = False
+        # SamplingParams.logprobs / prompt_logprobs: one entry per output token (kept aligned with output_ids),
+        # and per prompt token (None for the first, which nothing scores) once the prompt has been read.
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self._token_ids = list(prompt_ids)
         self._log_noise: dict[int, torch.Tensor] = {}  # output position -> log E [V] (see log_noise)
 
@@ -206,10 +224,16 @@ class Sequence:
             seen, counts = seen[first_row:], counts[first_row:]
         return sampling.process(logits, self.params, seen, counts)
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether the next forward must score every prompt row (asked for, and not read yet)."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
     def commit(self, drafts: list[int], num_proposed: int, token: int, eos_token_ids: set[int],
-               max_len: int) -> list[int]:
+               max_len: int, logprobs: list[PositionLogprobs] | None = None) -> list[int]:
         """Append a verified step (the accepted drafts, then the target's token) up to the first token that
-        ends the request; count what was appended. Returns the tokens appended."""
+        ends the request; count what was appended, and keep the log-probabilities of what was appended
+        (`logprobs`, one per step token, when the request asked for them). Returns the tokens appended."""
         params = self.params
         last_code = TARGET_TOKEN if len(drafts) == num_proposed else correction_code(len(drafts))
         steps = [(t, i) for i, t in enumerate(drafts)] + [(token, last_code)]
@@ -226,6 +250,8 @@ class Sequence:
                 break
         self.output_ids.extend(taken)
         self._token_ids.extend(taken)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.extend(logprobs[:len(taken)])
         if self.penalties is not None:
             self.penalties.append(taken)
         self.metrics.num_generated_tokens = len(self.output_ids)
@@ -240,6 +266,8 @@ class Sequence:
                 self.metrics.count_emitted(code, -1)
             del self.provenance[length:]
             del self.output_ids[length:]
+            if self.logprobs is not None:
+                del self.logprobs[length:]
             del self._token_ids[len(self._token_ids) - drop:]
         self.metrics.num_generated_tokens = len(self.output_ids)
         self.finish_reason = reason

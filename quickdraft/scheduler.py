@@ -30,7 +30,7 @@ from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.kv_pool import KVMemory, KVPoolFull, StaticSequenceCache, round_up
 from quickdraft.params import SamplingParams
-from quickdraft.sequence import Sequence
+from quickdraft.sequence import PositionLogprobs, Sequence
 
 
 @dataclass
@@ -43,6 +43,10 @@ class SequenceUpdate:
     text_delta: str
     finished: bool
     finish_reason: str | None
+    # SamplingParams.logprobs: the log-probabilities of the tokens this step kept (after a stop string's cut)
+    new_logprobs: list[PositionLogprobs] | None = None
+    # SamplingParams.prompt_logprobs: on a completion's first update, its prompt's (None for the first token)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 @dataclass
@@ -164,12 +168,15 @@ class Scheduler:
         updates = []
         for (request, index), tokens in zip(batch, committed):
             seq = request.sequences[index]
+            first = len(seq.output_ids) - len(tokens)
             delta = request.detokenizers[index].update(seq, len(tokens))  # may cut at a stop string
             metrics = seq.metrics
             if metrics.first_token_time_s is None:
                 metrics.first_token_time_s = now - request.arrival_time
             metrics.wall_time_s = now - request.arrival_time
-            updates.append(SequenceUpdate(request.request_id, index, tokens, delta, seq.finished, seq.finish_reason))
+            updates.append(SequenceUpdate(request.request_id, index, tokens, delta, seq.finished, seq.finish_reason,
+                                          seq.logprobs[first:] if seq.logprobs is not None else None,
+                                          seq.prompt_logprobs if first == 0 else None))
             if seq.finished:
                 self._free(seq)
         self.running = [item for item in self.running if not item[0].sequences[item[1]].finished]

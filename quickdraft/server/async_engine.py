@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from quickdraft.errors import QuickdraftError
 from quickdraft.params import SamplingParams
 from quickdraft.scheduler import Request, Scheduler, SequenceUpdate
-from quickdraft.sequence import RequestMetrics
+from quickdraft.sequence import PositionLogprobs, RequestMetrics
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ class RequestDone:
     output_token_ids: list[list[int]]  # per completion: its final tokens (after stop-string truncation)
     finish_reasons: list[str | None]
     metrics: RequestMetrics  # the completions pooled (RequestMetrics.combine, concurrent)
+    logprobs: list[list[PositionLogprobs] | None] | None = None  # per completion, with SamplingParams.logprobs
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # with SamplingParams.prompt_logprobs
 
 
 @dataclass
@@ -302,7 +304,8 @@ class AsyncEngine:
             del self._tracked[request.request_id]
             done = RequestDone(request.request_id, [list(seq.output_ids) for seq in request.sequences],
                                [seq.finish_reason for seq in request.sequences],
-                               RequestMetrics.combine([seq.metrics for seq in request.sequences], concurrent=True))
+                               RequestMetrics.combine([seq.metrics for seq in request.sequences], concurrent=True),
+                               [seq.logprobs for seq in request.sequences], request.sequences[0].prompt_logprobs)
             batches.setdefault(id(tracked.sink), (tracked.sink, []))[1].append(done)
             self._observe_finished(request)
         for sink, events in batches.values():

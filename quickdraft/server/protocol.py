@@ -1,9 +1,10 @@
 """The OpenAI-compatible wire format: request and response bodies as pydantic models (OpenAI's names, plus
 vLLM's sampling extras and quickdraft's `num_speculative_tokens`), and the error body.
 
-Fields OpenAI defines but quickdraft does not implement (logprobs, echo, suffix, logit_bias, tools, ...) are
-declared so that a request that sets them gets a 400 naming the field instead of a silently different answer;
-unknown fields are ignored, as OpenAI and vLLM do.
+Fields OpenAI defines but quickdraft does not implement (suffix, tools, ...) are declared so that a request
+that sets them gets a 400 naming the field instead of a silently different answer; unknown fields are ignored,
+as OpenAI and vLLM do. logprobs are the target's raw log-probabilities (vLLM's default logprobs_mode), the same
+with speculation on or off.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 16  # completions per request: n is a multiplier of the work a single request can ask for
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs); params.MAX_LOGPROBS
 
 
 class ApiError(Exception):
@@ -64,7 +66,7 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
-    logit_bias: dict[str, float] | None = None  # not supported: must be empty
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # vLLM's sampling extras
     top_k: int | None = None
     min_p: float | None = None
@@ -81,8 +83,8 @@ class SamplingFields(_Request):
 class CompletionRequest(SamplingFields):
     # One prompt (text or token ids) or a list of them; each is its own n completions.
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False  # not supported
-    logprobs: int | None = None  # not supported
+    echo: bool = False  # the prompt's text before each choice's (and its tokens' logprobs, with logprobs)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's and this many alternatives'
     best_of: int | None = None  # not supported beyond best_of == n
     suffix: str | None = None  # not supported
 
@@ -105,8 +107,8 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
-    logprobs: bool = False  # not supported
-    top_logprobs: int | None = None  # not supported
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (with logprobs)
     tools: list[dict[str, Any]] | None = None  # not supported
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
 
@@ -144,10 +146,34 @@ def _optional(default=None):
     return Field(default, exclude_if=lambda value: value is None)
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs: per token its text, log-probability (None for an echoed prompt's
+    first token), the most likely alternatives {text: logprob}, and its character offset in the choice text."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
     token_ids: list[int] | None = _optional()
     prompt_token_ids: list[int] | None = _optional()
@@ -171,7 +197,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     token_ids: list[int] | None = _optional()
 
@@ -195,7 +221,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

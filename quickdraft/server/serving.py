@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from pydantic import BaseModel
@@ -21,7 +22,8 @@ from quickdraft.api import LLM
 from quickdraft.errors import QuickdraftError
 from quickdraft.params import SamplingParams
 from quickdraft.scheduler import SequenceUpdate
-from quickdraft.sequence import RequestMetrics
+from quickdraft.sequence import PositionLogprobs, RequestMetrics
+from quickdraft.server import logprobs as wire_logprobs
 from quickdraft.server.async_engine import (AsyncEngine, EngineStoppedError, Event, QueueFullError, RequestDone,
                                             RequestFailed)
 from quickdraft.server.protocol import (MAX_STOP_STRINGS, ApiError, AssistantMessage, ChatChoice,
@@ -72,6 +74,7 @@ class Generation:
         self._prompt_index = {rid: i for i, rid in enumerate(self.request_ids)}
         self.sink: asyncio.Queue[list[Event]] = asyncio.Queue()
         self.done: dict[str, RequestDone] = {}
+        self.echo = False  # completions with echo: each choice starts with its prompt's text
 
     def choice_index(self, event: SequenceUpdate) -> int:
         return self._prompt_index[event.request_id] * self.params.n + event.index
@@ -118,14 +121,28 @@ class Generation:
         return spec_decode_stats(RequestMetrics.combine([self.done[rid].metrics for rid in self.request_ids],
                                                         concurrent=True))
 
-    def finals(self) -> list[tuple[int, list[int], list[int], str | None]]:
-        """(choice index, prompt ids, output ids, finish reason) of every completion, in choice order."""
+    def finals(self) -> list[Final]:
+        """Every completion as it ended, in choice order."""
         out = []
         for i, (rid, prompt) in enumerate(zip(self.request_ids, self.prompts)):
             done = self.done[rid]
-            for j, (ids, reason) in enumerate(zip(done.output_token_ids, done.finish_reasons)):
-                out.append((i * self.params.n + j, prompt, ids, reason))
+            logprobs = done.logprobs or [None] * len(done.output_token_ids)
+            for j, (ids, reason, entries) in enumerate(zip(done.output_token_ids, done.finish_reasons, logprobs)):
+                out.append(Final(i * self.params.n + j, prompt, ids, reason, entries, done.prompt_logprobs))
         return out
+
+
+@dataclass
+class Final:
+    """One completion as it ended: its choice index, prompt and output ids, finish reason, and the
+    log-probabilities of its tokens and of its prompt's where the request asked for them."""
+
+    index: int
+    prompt: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 class OpenAIServing:
@@ -184,7 +201,8 @@ class OpenAIServing:
         return prompts
 
     def sampling_params(self, request: SamplingFields, requested_max_tokens: int | None, default_max_tokens: int | None,
-                        prompts: list[list[int]], prompt_param: str) -> SamplingParams:
+                        prompts: list[list[int]], prompt_param: str, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's SamplingParams, max_tokens checked against the context the longest prompt leaves."""
         _refuse_unsupported(request)
         longest = max(len(ids) for ids in prompts)
@@ -207,7 +225,8 @@ class OpenAIServing:
                 stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
-                num_speculative_tokens=request.num_speculative_tokens, **fields)
+                num_speculative_tokens=request.num_speculative_tokens, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, logit_bias=request.logit_bias, **fields)
         except QuickdraftError as exc:
             raise ApiError(400, str(exc), param_of(str(exc))) from None
 
@@ -215,35 +234,64 @@ class OpenAIServing:
     async def completions(self, request: CompletionRequest) -> Generation:
         """Check the request and start its generation."""
         self.check_model(request.model)
-        if request.echo:
-            raise ApiError(400, "echo is not supported", "echo")
-        if request.logprobs:
-            raise ApiError(400, "logprobs is not supported", "logprobs")
         if request.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise ApiError(400, "best_of is not supported (other than best_of == n)", "best_of")
         prompts = self.completion_prompts(request)
-        params = self.sampling_params(request, request.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, prompts, "prompt")
-        return await self._start(prompts, params, "cmpl")
+        # echo with logprobs scores the echoed prompt too (its first token has none)
+        prompt_logprobs = request.logprobs if request.echo else None
+        params = self.sampling_params(request, request.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, prompts, "prompt",
+                                      request.logprobs, prompt_logprobs)
+        return await self._start(prompts, params, "cmpl", echo=request.echo)
 
     async def chat_completions(self, request: ChatCompletionRequest) -> Generation:
         self.check_model(request.model)
-        if request.logprobs or request.top_logprobs:
-            raise ApiError(400, "logprobs is not supported", "logprobs")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if request.tools:
             raise ApiError(400, "tools are not supported", "tools")
         if request.response_format not in (None, {"type": "text"}):
             raise ApiError(400, "response_format other than {'type': 'text'} is not supported", "response_format")
         prompt = self.chat_prompt(request.messages)
         max_tokens = request.max_completion_tokens or request.max_tokens
-        params = self.sampling_params(request, max_tokens, None, [prompt], "messages")
+        params = self.sampling_params(request, max_tokens, None, [prompt], "messages",
+                                      (request.top_logprobs or 0) if request.logprobs else None)
         return await self._start([prompt], params, "chatcmpl")
 
-    async def _start(self, prompts: list[list[int]], params: SamplingParams, prefix: str) -> Generation:
+    async def _start(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
+                     echo: bool = False) -> Generation:
         generation = Generation(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params)
+        generation.echo = echo
         await generation.start()
         return generation
+
+    # --- log-probabilities and echo ---
+    def token_text(self, before: int | None, token: int) -> str:
+        """The text `token` adds after `before` (see logprobs.TokenText)."""
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
+            return str(token)
+        if before is None:
+            return tokenizer.decode([token])
+        head, full = tokenizer.decode([before]), tokenizer.decode([before, token])
+        return full[len(head):] if full.startswith(head) else tokenizer.decode([token])
+
+    def echo_text(self, prompt: list[int]) -> str:
+        tokenizer = self.llm.tokenizer
+        return tokenizer.decode(prompt) if tokenizer is not None else ""
+
+    def completion_choice_logprobs(self, generation: Generation, final: Final, echoed: str):
+        """A whole completion choice's logprobs: the echoed prompt's (with echo), then its tokens'."""
+        if generation.params.logprobs is None:
+            return None
+        top, text = generation.params.logprobs, self.token_text
+        out = None
+        if generation.echo:
+            out = wire_logprobs.completion_logprobs(final.prompt, final.prompt_logprobs or [None] * len(final.prompt),
+                                                    top, text)
+        return wire_logprobs.completion_logprobs(final.token_ids[:len(final.logprobs or [])], final.logprobs or [],
+                                                 top, text, None, len(echoed), out)
 
     # --- whole responses ---
     async def collect(self, generation: Generation) -> list[str]:
@@ -260,17 +308,25 @@ class OpenAIServing:
 
     def completion_response(self, generation: Generation, texts: list[str],
                             return_token_ids: bool) -> CompletionResponse:
-        choices = [CompletionChoice(index=index, text=texts[index], finish_reason=reason,
-                                    token_ids=ids if return_token_ids else None,
-                                    prompt_token_ids=prompt if return_token_ids else None)
-                   for index, prompt, ids, reason in generation.finals()]
+        choices = []
+        for final in generation.finals():
+            echoed = self.echo_text(final.prompt) if generation.echo else ""
+            choices.append(CompletionChoice(
+                index=final.index, text=echoed + texts[final.index], finish_reason=final.finish_reason,
+                logprobs=self.completion_choice_logprobs(generation, final, echoed),
+                token_ids=final.token_ids if return_token_ids else None,
+                prompt_token_ids=final.prompt if return_token_ids else None))
         return CompletionResponse(id=generation.response_id, model=self.served_model_name, choices=choices,
                                   usage=generation.usage(), spec_decode=generation.spec_decode())
 
     def chat_response(self, generation: Generation, texts: list[str], return_token_ids: bool) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=index, message=AssistantMessage(content=texts[index]), finish_reason=reason,
-                              token_ids=ids if return_token_ids else None)
-                   for index, _, ids, reason in generation.finals()]
+        top = generation.params.logprobs
+        choices = [ChatChoice(index=final.index, message=AssistantMessage(content=texts[final.index]),
+                              finish_reason=final.finish_reason,
+                              logprobs=None if top is None else wire_logprobs.chat_logprobs(
+                                  final.token_ids, final.logprobs or [], top, self.token_text),
+                              token_ids=final.token_ids if return_token_ids else None)
+                   for final in generation.finals()]
         return ChatCompletionResponse(
             id=generation.response_id, model=self.served_model_name, choices=choices, usage=generation.usage(),
             spec_decode=generation.spec_decode(), prompt_token_ids=generation.prompts[0] if return_token_ids else None)
@@ -286,9 +342,15 @@ class OpenAIServing:
                 for index in range(len(generation.prompts) * generation.params.n):
                     role = ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
                     yield sse(ChatCompletionChunk(**head, choices=[role]))
+            offsets: dict[int, int] = {}  # per choice: the length of its text sent so far (text_offset)
+            # per choice: its last output token so far (what the next token's text follows; None at the start:
+            # the choice's text is its output decoded alone, so its first token's text is decoded alone too)
+            last: dict[int, int | None] = {}
             async for events in generation.steps():
-                updates = [e for e in events if isinstance(e, SequenceUpdate) and (e.text_delta or e.finished)]
-                choices = [(self._chat_choice if chat else self._completion_choice)(generation.choice_index(e), e)
+                updates = [e for e in events if isinstance(e, SequenceUpdate)
+                           and (e.text_delta or e.finished or e.new_logprobs or (generation.echo and e.prompt_logprobs))]
+                choices = [self._chat_choice(generation, generation.choice_index(e), e, last) if chat
+                           else self._completion_choice(generation, generation.choice_index(e), e, offsets, last)
                            for e in updates]
                 chunks = [chunk_type(**head, choices=[choice]) for choice in choices]
                 if generation.finished and not include_usage and chunks:
@@ -305,18 +367,44 @@ class OpenAIServing:
             generation.abort_unfinished()
         yield SSE_DONE
 
-    @staticmethod
-    def _completion_choice(index: int, update: SequenceUpdate) -> CompletionChoice:
-        return CompletionChoice(index=index, text=update.text_delta, finish_reason=update.finish_reason)
+    def _completion_choice(self, generation: Generation, index: int, update: SequenceUpdate,
+                           offsets: dict[int, int], last: dict[int, int | None]) -> CompletionChoice:
+        """A streamed completion choice: the echoed prompt before its first tokens, the step's text, and the
+        log-probabilities of the tokens the step kept."""
+        text, logprobs, top = update.text_delta, None, generation.params.logprobs
+        prompt = generation.prompts[index // generation.params.n]
+        if index not in offsets:
+            offsets[index], last[index] = 0, None
+            if generation.echo:
+                echoed = self.echo_text(prompt)
+                text = echoed + text
+                offsets[index] = len(echoed)
+                if top is not None:
+                    logprobs = wire_logprobs.completion_logprobs(
+                        prompt, update.prompt_logprobs or [None] * len(prompt), top, self.token_text)
+        if top is not None:
+            kept = update.new_logprobs or []
+            tokens = update.new_token_ids[:len(kept)]
+            logprobs = wire_logprobs.completion_logprobs(tokens, kept, top, self.token_text, last[index],
+                                                         offsets[index], logprobs)
+            last[index] = tokens[-1] if tokens else last[index]
+        offsets[index] += len(update.text_delta)
+        return CompletionChoice(index=index, text=text, finish_reason=update.finish_reason, logprobs=logprobs)
 
-    @staticmethod
-    def _chat_choice(index: int, update: SequenceUpdate) -> ChatChunkChoice:
+    def _chat_choice(self, generation: Generation, index: int, update: SequenceUpdate,
+                     last: dict[int, int | None]) -> ChatChunkChoice:
+        top = generation.params.logprobs
+        logprobs = None
+        if top is not None:
+            kept = update.new_logprobs or []
+            tokens = update.new_token_ids[:len(kept)]
+            before = last.get(index)
+            logprobs = wire_logprobs.chat_logprobs(tokens, kept, top, self.token_text, before)
+            last[index] = tokens[-1] if tokens else before
         return ChatChunkChoice(index=index, delta=DeltaMessage(content=update.text_delta or None),
-                               finish_reason=update.finish_reason)
+                               finish_reason=update.finish_reason, logprobs=logprobs)
 
 
 def _refuse_unsupported(request: SamplingFields) -> None:
-    if request.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", "logit_bias")
     if request.stream_options is not None and not request.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")

@@ -144,8 +144,14 @@ def test_sampling_options_match_generate(llm):
     ("/v1/completions", {"prompt": "w1", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "w1", "num_speculative_tokens": -1}, "num_speculative_tokens"),
     ("/v1/completions", {"prompt": "w1", "temperature": "hot"}, "temperature"),
-    ("/v1/completions", {"prompt": "w1", "logprobs": 2}, "logprobs"),
-    ("/v1/completions", {"prompt": "w1", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "w1", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "w1", "logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"prompt": "w1", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "w1", "logit_bias": {"3": 500}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "w1", "logit_bias": {"999": 1}}, "logit_bias"),  # outside the vocabulary
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "logprobs": True,
+                              "top_logprobs": 30}, "top_logprobs"),
     ("/v1/completions", {"prompt": "w1", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": [70, 80]}, "prompt"),  # token ids outside the vocabulary
@@ -313,3 +319,62 @@ def test_draining_server_answers_503(llm):
         response = client.post("/v1/completions", json={"prompt": "w1", "max_tokens": 2})
         assert response.status_code == 503 and response.json()["error"]["code"] == 503
         assert client.get("/health").status_code == 503
+
+
+def _table(entries):
+    return [{t: round(lp.logprob, 5) for t, lp in entry.items()} for entry in entries]
+
+
+def test_logprobs_and_echo_through_the_server_equal_generate(llm):
+    """Completions (whole and streamed, with echo) and chat (whole and streamed) give the log-probabilities
+    LLM.generate gives, for the tokens of the text they return; logit_bias steers the text."""
+    tokenizer = llm.tokenizer
+    out = llm.generate(REPEATING, SamplingParams(temperature=0, max_tokens=12, logprobs=2, prompt_logprobs=2))[0]
+    want = [round(e[t].logprob, 5) for e, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+    # each token's text after the one before it (" w57"), the first decoded alone, as the choice's text is
+    want_top = [{(" " if i else "") + tokenizer.decode([t]): round(lp.logprob, 5) for t, lp in e.items() if lp.rank <= 2}
+                for i, e in enumerate(out.outputs[0].logprobs)]
+    prompt_want = [None] + [round(e[t].logprob, 5) for e, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+    body = {"prompt": REPEATING, "max_tokens": 12, "temperature": 0, "logprobs": 2}
+    with client_for(llm) as client:
+        choice = client.post("/v1/completions", json=body).json()["choices"][0]
+        got = choice["logprobs"]
+        assert [round(x, 5) for x in got["token_logprobs"]] == want
+        assert [{k: round(v, 5) for k, v in top.items()} for top in got["top_logprobs"]] == want_top
+        assert "".join(got["tokens"]) == choice["text"] and got["text_offset"][0] == 0
+        assert got["text_offset"] == [sum(len(t) for t in got["tokens"][:i]) for i in range(len(got["tokens"]))]
+
+        echoed = client.post("/v1/completions", json={**body, "echo": True}).json()["choices"][0]
+        prompt_text = tokenizer.decode(out.prompt_token_ids)
+        assert echoed["text"] == prompt_text + choice["text"]
+        n_prompt = len(out.prompt_token_ids)
+        assert [None if x is None else round(x, 5) for x in echoed["logprobs"]["token_logprobs"]] == prompt_want + want
+        assert echoed["logprobs"]["top_logprobs"][0] is None
+        assert echoed["logprobs"]["text_offset"][n_prompt] == len(prompt_text)
+
+        events = sse_events(client.post("/v1/completions", json={**body, "echo": True, "stream": True}).text.splitlines())
+        chunks = [e for e in events[:-1] if e["choices"]]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == echoed["text"]
+        streamed = [x for c in chunks if c["choices"][0]["logprobs"] for x in c["choices"][0]["logprobs"]["token_logprobs"]]
+        assert [None if x is None else round(x, 5) for x in streamed] == prompt_want + want
+
+        chat_body = {"messages": [{"role": "user", "content": REPEATING}], "max_tokens": 10, "temperature": 0,
+                     "logprobs": True, "top_logprobs": 3}
+        chat_out = llm.chat([{"role": "user", "content": REPEATING}],
+                            SamplingParams(temperature=0, max_tokens=10, logprobs=3))[0].outputs[0]
+        chat_want = [round(e[t].logprob, 5) for e, t in zip(chat_out.logprobs, chat_out.token_ids)]
+        data = client.post("/v1/chat/completions", json=chat_body).json()["choices"][0]
+        content = data["logprobs"]["content"]
+        assert [round(c["logprob"], 5) for c in content] == chat_want
+        assert all(len(c["top_logprobs"]) == 3 and c["bytes"] == list(c["token"].encode()) for c in content)
+        events = sse_events(client.post("/v1/chat/completions", json={**chat_body, "stream": True}).text.splitlines())
+        streamed = [c["logprob"] for e in events[:-1] for ch in e["choices"] if ch.get("logprobs")
+                    for c in ch["logprobs"]["content"]]
+        assert [round(x, 5) for x in streamed] == chat_want
+
+        plain = client.post("/v1/completions", json={"prompt": REPEATING, "max_tokens": 6, "temperature": 0}).json()
+        assert plain["choices"][0]["logprobs"] is None
+        forced = WORDS.index("w57")
+        biased = client.post("/v1/completions", json={"prompt": REPEATING, "max_tokens": 6, "temperature": 0,
+                                                      "logit_bias": {str(forced): 100}}).json()
+        assert biased["choices"][0]["text"].split() == ["w57"] * 6

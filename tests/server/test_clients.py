@@ -224,6 +224,38 @@ def test_sync_chat_equals_llm_chat(served):
         assert not chunks[-1].choices and chunks[-1].usage == out.usage
 
 
+def test_logprobs_echo_and_logit_bias_through_the_client(served):
+    """logprobs / top_logprobs (chat), logprobs + echo (completions) and logit_bias as the openai client sends
+    them: the server's log-probabilities are offline LLM.generate's (raw, from the verification forward)."""
+    client = served.client()
+    prompt, messages = served.prompts[0], served.chats[0]
+    expected = served.llm.generate(prompt, served.greedy(logprobs=2, prompt_logprobs=2))[0]
+    want = [e[t].logprob for e, t in zip(expected.outputs[0].logprobs, expected.outputs[0].token_ids)]
+    out = client.completions.create(model=served.name, prompt=prompt, max_tokens=served.max_tokens, temperature=0,
+                                    logprobs=2, echo=True)
+    logprobs = out.choices[0].logprobs
+    n_prompt = len(expected.prompt_token_ids)
+    assert logprobs.token_logprobs[0] is None and len(logprobs.tokens) == n_prompt + len(want)
+    assert logprobs.token_logprobs[n_prompt:] == pytest.approx(want, abs=1e-4)
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs[1:])
+    assert out.choices[0].text.endswith(expected.outputs[0].text)
+
+    chat_expected = served.llm.chat(messages, served.greedy(logprobs=3))[0].outputs[0]
+    chat = client.chat.completions.create(model=served.name, messages=messages, max_tokens=served.max_tokens,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(
+        [e[t].logprob for e, t in zip(chat_expected.logprobs, chat_expected.token_ids)], abs=1e-4)
+    assert all(len(c.top_logprobs) == 3 for c in content)
+
+    banned = expected.outputs[0].token_ids[0]  # the greedy first token, made impossible
+    biased = client.completions.create(model=served.name, prompt=prompt, max_tokens=4, temperature=0,
+                                       logit_bias={str(banned): -100}, extra_body={"return_token_ids": True})
+    assert biased.choices[0].model_extra["token_ids"][0] != banned
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=served.name, prompt=prompt, max_tokens=4, logit_bias={"1": 500})
+
+
 def test_sync_stop_string_streamed_and_whole(served):
     client = served.client()
     prompt = served.prompts[0]

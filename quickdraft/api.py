@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator, Sequence as Seq
 import torch
 from torch import nn
 
-from quickdraft import kv_pool
+from quickdraft import kv_pool, structured
 from quickdraft.drafts import METHODS, DraftContext, LoadedDraft, Proposer, SpeculativeConfig, build_proposer, read_config
 from quickdraft.engine import Engine, RequestMetrics
 from quickdraft.errors import QuickdraftError
@@ -187,6 +187,7 @@ class LLM:
         self.enable_prefix_caching = self.target.rows_invariant if enable_prefix_caching is None \
             else enable_prefix_caching
         self.kv_memory = kv_pool.KVMemory(self.engine, self.kv_cache_memory, self.enable_prefix_caching)
+        self._grammar_tokenizer = None  # llguidance's form of the tokenizer, built by the first structured request
 
     def with_speculative_config(self, speculative_config: dict[str, Any] | SpeculativeConfig) -> "LLM":
         """An LLM with this one's target (its runner, weights and tokenizer shared, not copied) and another
@@ -286,9 +287,29 @@ class LLM:
         """The n completions of one request. A request's own seed (or the LLM's) makes its text reproducible
         with or without speculation and whatever K (position-keyed noise); without one, verification is
         rejection sampling from the request's generator."""
+        grammar = self._grammar(params)  # first: a constraint that does not compile draws no seeds
         generator = self._generator(params)
-        return [self.engine.new_sequence(prompt_ids, params, generator, noise_key)
+        seqs = [self.engine.new_sequence(prompt_ids, params, generator, noise_key)
                 for noise_key in self._noise_keys(params)]
+        for index, seq in enumerate(seqs):
+            if grammar is not None:
+                seq.grammar = grammar if index == 0 else grammar.copy()
+        return seqs
+
+    def _grammar(self, params: SamplingParams) -> structured.GrammarState | None:
+        """The request's structured-outputs constraint compiled against this model's tokenizer (whose
+        llguidance form is built once per LLM), or None."""
+        if params.structured_outputs is None:
+            return None
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = structured.grammar_tokenizer(self.tokenizer, self.target.vocab_size,
+                                                                   self.engine.eos_token_ids)
+        matcher = structured.compile_matcher(self._grammar_tokenizer, params.structured_outputs)
+        state = structured.GrammarState(matcher, self.target.vocab_size)
+        if state.stopped([]):
+            raise QuickdraftError("structured_outputs: the constraint allows no token of this model's vocabulary "
+                                  "to start with; check it against the model's tokens")
+        return state
 
     def new_scheduler(self, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None) -> Scheduler:
         """A continuous-batching scheduler on this LLM's engine (what generate uses, and what a server drives):

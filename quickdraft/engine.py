@@ -119,6 +119,10 @@ class Engine:
         draft_forwards = self.proposer.forwards
         proposals = self.proposer.propose_batch(seqs, ks)
         drafts = [proposal.tokens[:k] for proposal, k in zip(proposals, ks)]
+        # Structured outputs: a draft ends before its first token the grammar does not take (a model draft's
+        # tokens are drawn under the grammar's mask already; a lookup's may leave it).
+        drafts = [draft[:seq.grammar.valid_prefix(seq.output_ids, draft.tolist())]
+                  if seq.grammar is not None and draft.numel() else draft for seq, draft in zip(seqs, drafts)]
         ks = [int(d.numel()) for d in drafts]
         draft_forwards = self.proposer.forwards - draft_forwards
         t1 = time.perf_counter()
@@ -232,13 +236,17 @@ class Engine:
             bounds.append((row, row + int(draft.numel()) + 1))
             row = bounds[-1][1]
         processed = logits  # [R, V]
-        adjusted = [seq.penalties is not None or seq.params.logit_bias is not None for seq in seqs]
+        adjusted = [seq.penalties is not None or seq.params.logit_bias is not None or seq.grammar is not None
+                    for seq in seqs]
         if any(adjusted):
             processed = logits.clone()
             for seq, draft, (lo, hi), adjust in zip(seqs, drafts, bounds, adjusted):
                 if adjust:
+                    rows = processed[lo:hi]
+                    if seq.grammar is not None:  # row i at the grammar's state after draft[:i]: the draft's own
+                        rows = seq.grammar_masked(rows, draft.tolist())
                     seen, counts = seq.penalties.rows(draft, hi - lo) if seq.penalties is not None else (None, None)
-                    processed[lo:hi] = sampling.apply_penalties(processed[lo:hi], seq.params, seen, counts)
+                    processed[lo:hi] = sampling.apply_penalties(rows, seq.params, seen, counts)
         sampled = [(lo, hi, seq.params) for seq, (lo, hi) in zip(seqs, bounds) if not seq.params.greedy]
         if sampled:
             index = torch.tensor([r for lo, hi, _ in sampled for r in range(lo, hi)], device=processed.device)

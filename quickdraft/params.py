@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.structured import StructuredOutputs
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 GREEDY_TEMPERATURE = 1e-5
@@ -58,6 +59,9 @@ class SamplingParams:
     # Added to the logits of these token ids (OpenAI's logit_bias, values in [-100, 100]) before penalties, in
     # the target's rows and the draft's alike, so that verification stays exact.
     logit_bias: dict[int, float] | None = None
+    # The output must match this (a JSON schema, regex, choice or grammar: quickdraft.structured), exactly
+    # under speculation: the grammar masks the target's rows and the draft's alike.
+    structured_outputs: StructuredOutputs | dict | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -116,6 +120,8 @@ class SamplingParams:
             if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
                 raise QuickdraftError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (how many alternatives "
                                       f"to return besides each token's own) or None, got {value!r}")
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputs.of(self.structured_outputs)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise QuickdraftError(f"logit_bias must be a mapping of token ids to biases, got "

@@ -17,6 +17,7 @@ import torch
 from quickdraft import adaptive, sampling
 from quickdraft.cache import SequenceCache
 from quickdraft.params import SamplingParams
+from quickdraft.structured import GrammarState, masked_rows
 
 # The provenance of an output token (Sequence.provenance): >= 0 is an accepted draft token at that draft
 # position; TARGET_TOKEN is the target's own token with no rejection before it (a bonus after K accepted
@@ -188,6 +189,8 @@ class Sequence:
         # and per prompt token (None for the first, which nothing scores) once the prompt has been read.
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        # SamplingParams.structured_outputs: the grammar's state (the LLM compiles it; None without one)
+        self.grammar: GrammarState | None = None
         self._token_ids = list(prompt_ids)
         self._log_noise: dict[int, torch.Tensor] = {}  # output position -> log E [V] (see log_noise)
 
@@ -222,7 +225,15 @@ class Sequence:
         if self.penalties is not None:
             seen, counts = self.penalties.rows(pending, first_row + logits.shape[0])
             seen, counts = seen[first_row:], counts[first_row:]
+        if self.grammar is not None:
+            logits = self.grammar_masked(logits, pending.tolist(), first_row)
         return sampling.process(logits, self.params, seen, counts)
+
+    def grammar_masked(self, logits: torch.Tensor, pending: list[int], first_row: int = 0) -> torch.Tensor:
+        """logits [n, V] with -inf outside the grammar's allowed tokens, row j at the state after the output
+        and pending[:first_row + j] (the same states whether a draft or the target asks)."""
+        return masked_rows(logits, [self.grammar.blocked(self.output_ids + pending[:first_row + j])
+                                    for j in range(logits.shape[0])])
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -244,6 +255,8 @@ class Sequence:
             self.metrics.count_emitted(code)
             if t in params.stop_token_ids or (t in eos_token_ids and not params.ignore_eos):
                 self.finish_reason = "stop"
+            elif self.grammar is not None and self.grammar.stopped(self.output_ids + taken):
+                self.finish_reason = "stop"  # the grammar is complete and takes nothing more (vLLM does the same)
             elif len(self.output_ids) + len(taken) >= params.max_tokens or len(self._token_ids) + len(taken) >= max_len:
                 self.finish_reason = "length"
             if self.finish_reason:

@@ -48,7 +48,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 _BYTE_LEVEL_DECODE = {c: b for b, c in _bytes_to_unicode().items()}
 
 
-def _decoder_kinds(tokenizer: Any) -> set[str]:
+def decoder_kinds(tokenizer: Any) -> set[str]:
     """What the tokenizer's decoder does to a piece: 'byte_level', 'metaspace', 'byte_fallback' (none: the piece
     is its text)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -78,7 +78,7 @@ def token_bytes(tokenizer: Any) -> tuple[dict[int, bytes], set[int], dict[str, i
 
     Special tokens (control tokens such as <eos>, <|im_start|>) are left out of the byte table: they stand for
     no text."""
-    kinds = _decoder_kinds(tokenizer)
+    kinds = decoder_kinds(tokenizer)
     special: dict[str, int] = {}
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])

@@ -316,7 +316,7 @@ class EagleProposer(Proposer):
     def _draw(self, seq, logits: torch.Tensor, pending: torch.Tensor, i: int):
         """One draft token from the head's logits [V'] at draft position i, and its processed full-vocabulary
         distribution q [V] (None where verification needs none: greedy, or a seeded draw verified exactly)."""
-        if seq.params.greedy and seq.penalties is None and seq.params.logit_bias is None:
+        if seq.params.greedy and seq.penalties is None and seq.params.logit_bias is None and seq.grammar is None:
             return self.vocab_ids[logits.argmax()].reshape(1), None
         full = torch.full((1, self.target_vocab_size), float("-inf"), device=seq.device)
         full[0, self.vocab_ids.to(seq.device)] = logits.to(seq.device).float()

@@ -78,6 +78,8 @@ class SamplingFields(_Request):
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids (non-streaming responses)
     # quickdraft's: at most this many draft tokens per step for this request (0: no speculation for it)
     num_speculative_tokens: int | None = Field(None, ge=0)
+    # vLLM's: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} (see SamplingParams)
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -110,7 +112,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (with logprobs)
     tools: list[dict[str, Any]] | None = None  # not supported
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}}
+    response_format: dict[str, Any] | None = None
 
 
 # --- responses ------------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def spec_decode_stats(metrics: RequestMetrics) -> SpecDecodeStats:
 
 def param_of(message: str) -> str | None:
     """The request field a QuickdraftError names: SamplingParams' messages start with it."""
-    first = message.split(" ", 1)[0]
+    first = message.split(" ", 1)[0].rstrip(":")
     return first if first in SamplingFields.model_fields or first == "prompt" else None
 
 
@@ -202,7 +202,8 @@ class OpenAIServing:
 
     def sampling_params(self, request: SamplingFields, requested_max_tokens: int | None, default_max_tokens: int | None,
                         prompts: list[list[int]], prompt_param: str, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured_outputs: dict[str, Any] | None = None) -> SamplingParams:
         """The request's SamplingParams, max_tokens checked against the context the longest prompt leaves."""
         _refuse_unsupported(request)
         longest = max(len(ids) for ids in prompts)
@@ -226,9 +227,11 @@ class OpenAIServing:
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 num_speculative_tokens=request.num_speculative_tokens, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, logit_bias=request.logit_bias, **fields)
+                prompt_logprobs=prompt_logprobs, logit_bias=request.logit_bias,
+                structured_outputs=structured_outputs or request.structured_outputs, **fields)
         except QuickdraftError as exc:
-            raise ApiError(400, str(exc), param_of(str(exc))) from None
+            param = "response_format" if structured_outputs else param_of(str(exc))
+            raise ApiError(400, str(exc), param) from None
 
     # --- the endpoints ---
     async def completions(self, request: CompletionRequest) -> Generation:
@@ -251,12 +254,14 @@ class OpenAIServing:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if request.tools:
             raise ApiError(400, "tools are not supported", "tools")
-        if request.response_format not in (None, {"type": "text"}):
-            raise ApiError(400, "response_format other than {'type': 'text'} is not supported", "response_format")
+        constraint = _response_format(request.response_format)
+        if constraint is not None and request.structured_outputs:
+            raise ApiError(400, "give either response_format or structured_outputs, not both", "response_format")
         prompt = self.chat_prompt(request.messages)
         max_tokens = request.max_completion_tokens or request.max_tokens
         params = self.sampling_params(request, max_tokens, None, [prompt], "messages",
-                                      (request.top_logprobs or 0) if request.logprobs else None)
+                                      (request.top_logprobs or 0) if request.logprobs else None,
+                                      structured_outputs=constraint)
         return await self._start([prompt], params, "chatcmpl")
 
     async def _start(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
@@ -403,6 +408,24 @@ class OpenAIServing:
             last[index] = tokens[-1] if tokens else before
         return ChatChunkChoice(index=index, delta=DeltaMessage(content=update.text_delta or None),
                                finish_reason=update.finish_reason, logprobs=logprobs)
+
+
+def _response_format(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's response_format as a structured_outputs constraint (None for plain text)."""
+    if response_format is None or response_format == {"type": "text"}:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
+                                "{...}}}", "response_format")
+        return {"json": schema}
+    raise ApiError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                   "response_format")
 
 
 def _refuse_unsupported(request: SamplingFields) -> None:

@@ -378,3 +378,29 @@ def test_logprobs_and_echo_through_the_server_equal_generate(llm):
         biased = client.post("/v1/completions", json={"prompt": REPEATING, "max_tokens": 6, "temperature": 0,
                                                       "logit_bias": {str(forced): 100}}).json()
         assert biased["choices"][0]["text"].split() == ["w57"] * 6
+
+
+def test_structured_outputs_and_response_format(llm):
+    """vLLM's structured_outputs and OpenAI's response_format through the server: the text follows the
+    constraint (the tiny model's tokens are words: regexes over them), greedy text equals
+    LLM.generate's, and a constraint that cannot be met or compiled is a 400 naming the field."""
+    want = llm.generate(REPEATING, SamplingParams(temperature=0, max_tokens=10,
+                                                  structured_outputs={"regex": "(w1|w2)*"}))[0].outputs[0].text
+    with client_for(llm) as client:
+        data = client.post("/v1/completions", json={"prompt": REPEATING, "max_tokens": 10, "temperature": 0,
+                                                    "structured_outputs": {"regex": "(w1|w2)*"}}).json()
+        text = data["choices"][0]["text"]
+        assert text == want and set(text.split()) <= {"w1", "w2"}
+        data = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": OTHER}], "max_tokens": 10, "temperature": 0.9, "seed": 3,
+            "structured_outputs": {"regex": "w5(w7)*"}}).json()
+        words_out = data["choices"][0]["message"]["content"].split()
+        assert words_out[0] == "w5" and set(words_out[1:]) <= {"w7"}
+        for body, param in [({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+                            ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+                            ({"response_format": {"type": "json_object"}}, "structured_outputs"),  # no JSON tokens
+                            ({"response_format": {"type": "yaml"}}, "response_format"),
+                            ({"response_format": {"type": "json_schema"}}, "response_format")]:
+            response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w1"}],
+                                                                 **body})
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, (body, response.text)

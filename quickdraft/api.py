@@ -256,17 +256,27 @@ class LLM:
             raise QuickdraftError(f"model '{self.model_name}' has no tokenizer; pass {{'prompt_token_ids': [...]}}")
         return prompt, self.tokenizer(prompt)["input_ids"]
 
-    def apply_chat_template(self, messages: list[dict[str, str]], chat_template: str | None = None) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], chat_template: str | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation as the model's chat template writes it, ending where the assistant's reply starts;
+        `tools` (OpenAI's function definitions) are given to the template, which must render them."""
         if self.tokenizer is None:
             raise QuickdraftError(f"model '{self.model_name}' has no tokenizer, so no chat template")
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise QuickdraftError(
                 f"model '{self.model_name}' has no chat template (it is a base model); use generate() with a plain "
                 "prompt (CLI: drop --chat), or pass chat_template=...")
-        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        if not messages or not all(isinstance(m, dict) and "role" in m and ("content" in m or "tool_calls" in m)
+                                   for m in messages):
             raise QuickdraftError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        return self.tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                                  add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                                  add_generation_prompt=True, tools=tools or None)
+        if tools and text == self.tokenizer.apply_chat_template(messages, chat_template=chat_template,
+                                                                tokenize=False, add_generation_prompt=True):
+            raise QuickdraftError(f"tools: the chat template of model '{self.model_name}' does not render tools (it "
+                                  "writes the same prompt with and without them); use a model whose template takes "
+                                  "tools (e.g. Qwen2.5), or pass chat_template=...")
+        return text
 
     def _generator(self, params: SamplingParams) -> torch.Generator:
         seed = derive_key(params.seed) if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -394,18 +404,19 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of conversations, through the chat template."""
+             chat_template: str | None = None, tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations, through the chat template (with
+        `tools`, OpenAI's function definitions, where the template renders them)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise QuickdraftError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts, or a "
                                   f"list of such lists; got {type(messages).__name__}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [self.chat_prompt(c, chat_template) for c in conversations]
+        prompts = [self.chat_prompt(c, chat_template, tools) for c in conversations]
         return self.generate(prompts, sampling_params)
 
-    def chat_prompt(self, messages, chat_template=None) -> dict[str, Any]:
+    def chat_prompt(self, messages, chat_template=None, tools=None) -> dict[str, Any]:
         """A conversation as a prompt dict (text and token ids) through the chat template."""
-        text = self.apply_chat_template(messages, chat_template)
+        text = self.apply_chat_template(messages, chat_template, tools)
         # The template already holds the special tokens; tokenizing must not add a second BOS.
         return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]}
 

@@ -9,6 +9,7 @@ with speculation on or off.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -99,11 +100,33 @@ class TextPart(_Request):
 class ChatMessage(_Request):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's reply: which call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (a call's arguments as an object, as Qwen2.5's writes them)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                function = dict(call.get("function") or {})
+                if isinstance(function.get("arguments"), str):
+                    try:
+                        function["arguments"] = json.loads(function["arguments"])
+                    except json.JSONDecodeError:
+                        pass
+                calls.append({**call, "function": function})
+            out["tool_calls"] = calls
+        for name in ("tool_call_id", "name"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -111,7 +134,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (with logprobs)
-    tools: list[dict[str, Any]] | None = None  # not supported
+    tools: list[dict[str, Any]] | None = None  # OpenAI's function definitions (server/tools.py)
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | {"type": "function", ...}
     # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}}
     response_format: dict[str, Any] | None = None
 
@@ -192,9 +216,25 @@ class CompletionResponse(BaseModel):
     spec_decode: SpecDecodeStats | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCall):
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = _optional()
 
 
 class ChatChoice(BaseModel):
@@ -219,6 +259,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = _optional()
     content: str | None = _optional()
+    tool_calls: list[DeltaToolCall] | None = _optional()
 
 
 class ChatChunkChoice(BaseModel):

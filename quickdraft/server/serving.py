@@ -24,13 +24,14 @@ from quickdraft.params import SamplingParams
 from quickdraft.scheduler import SequenceUpdate
 from quickdraft.sequence import PositionLogprobs, RequestMetrics
 from quickdraft.server import logprobs as wire_logprobs
+from quickdraft.server.tools import check_tools, forced_call_constraint, held_back, parse_tool_calls
 from quickdraft.server.async_engine import (AsyncEngine, EngineStoppedError, Event, QueueFullError, RequestDone,
                                             RequestFailed)
 from quickdraft.server.protocol import (MAX_STOP_STRINGS, ApiError, AssistantMessage, ChatChoice,
                                         ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
                                         ChatCompletionResponse, CompletionChoice, CompletionChunk,
-                                        CompletionRequest, CompletionResponse, DeltaMessage, SamplingFields,
-                                        SpecDecodeStats, Usage, error_body)
+                                        CompletionRequest, CompletionResponse, DeltaMessage, DeltaToolCall,
+                                        SamplingFields, SpecDecodeStats, ToolCall, Usage, error_body)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 RETRY_AFTER_S = "1"
@@ -75,6 +76,7 @@ class Generation:
         self.sink: asyncio.Queue[list[Event]] = asyncio.Queue()
         self.done: dict[str, RequestDone] = {}
         self.echo = False  # completions with echo: each choice starts with its prompt's text
+        self.tools = False  # chat with tools: replies' <tool_call> blocks become tool_calls
 
     def choice_index(self, event: SequenceUpdate) -> int:
         return self._prompt_index[event.request_id] * self.params.n + event.index
@@ -167,12 +169,12 @@ class OpenAIServing:
         # decodes (concurrent reads of one fast tokenizer are safe).
         return self.llm.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
-    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
-        """The conversation's token ids through the model's chat template."""
+    def chat_prompt(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation's token ids through the model's chat template (which renders `tools`)."""
         try:
-            prompt = self.llm.chat_prompt([{"role": m.role, "content": m.text()} for m in messages])
+            prompt = self.llm.chat_prompt([m.for_template() for m in messages], tools=tools)
         except QuickdraftError as exc:
-            raise ApiError(400, str(exc), "messages") from None
+            raise ApiError(400, str(exc), "tools" if str(exc).startswith("tools") else "messages") from None
         except Exception as exc:  # the template's own checks (e.g. role order) raise template errors
             raise ApiError(400, f"the chat template refused these messages: {exc}", "messages") from None
         return prompt["prompt_token_ids"]
@@ -252,22 +254,23 @@ class OpenAIServing:
         self.check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        if request.tools:
-            raise ApiError(400, "tools are not supported", "tools")
+        tools = check_tools(request.tools, request.tool_choice)
         constraint = _response_format(request.response_format)
-        if constraint is not None and request.structured_outputs:
-            raise ApiError(400, "give either response_format or structured_outputs, not both", "response_format")
-        prompt = self.chat_prompt(request.messages)
+        forced = forced_call_constraint(tools, request.tool_choice) if tools else None
+        if sum(c is not None and c != {} for c in (constraint, request.structured_outputs, forced)) > 1:
+            raise ApiError(400, "give one of response_format, structured_outputs and a forced tool_choice",
+                           "tool_choice" if forced else "response_format")
+        prompt = self.chat_prompt(request.messages, tools)
         max_tokens = request.max_completion_tokens or request.max_tokens
         params = self.sampling_params(request, max_tokens, None, [prompt], "messages",
                                       (request.top_logprobs or 0) if request.logprobs else None,
-                                      structured_outputs=constraint)
-        return await self._start([prompt], params, "chatcmpl")
+                                      structured_outputs=constraint or forced)
+        return await self._start([prompt], params, "chatcmpl", tools=tools is not None)
 
     async def _start(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
-                     echo: bool = False) -> Generation:
+                     echo: bool = False, tools: bool = False) -> Generation:
         generation = Generation(self.engine, f"{prefix}-{uuid.uuid4().hex}", prompts, params)
-        generation.echo = echo
+        generation.echo, generation.tools = echo, tools
         await generation.start()
         return generation
 
@@ -326,8 +329,7 @@ class OpenAIServing:
 
     def chat_response(self, generation: Generation, texts: list[str], return_token_ids: bool) -> ChatCompletionResponse:
         top = generation.params.logprobs
-        choices = [ChatChoice(index=final.index, message=AssistantMessage(content=texts[final.index]),
-                              finish_reason=final.finish_reason,
+        choices = [ChatChoice(index=final.index, **self._reply(generation, texts[final.index], final.finish_reason),
                               logprobs=None if top is None else wire_logprobs.chat_logprobs(
                                   final.token_ids, final.logprobs or [], top, self.token_text),
                               token_ids=final.token_ids if return_token_ids else None)
@@ -335,6 +337,15 @@ class OpenAIServing:
         return ChatCompletionResponse(
             id=generation.response_id, model=self.served_model_name, choices=choices, usage=generation.usage(),
             spec_decode=generation.spec_decode(), prompt_token_ids=generation.prompts[0] if return_token_ids else None)
+
+    @staticmethod
+    def _reply(generation: Generation, text: str, finish_reason: str | None) -> dict[str, Any]:
+        """A whole chat reply: its message and finish reason, calls parsed out where the request gave tools."""
+        if not generation.tools:
+            return {"message": AssistantMessage(content=text), "finish_reason": finish_reason}
+        content, calls = parse_tool_calls(text)
+        return {"message": AssistantMessage(content=content, tool_calls=[ToolCall(**c) for c in calls] or None),
+                "finish_reason": "tool_calls" if calls else finish_reason}
 
     # --- streams ---
     async def stream(self, generation: Generation, chat: bool, include_usage: bool) -> AsyncIterator[str]:
@@ -351,10 +362,11 @@ class OpenAIServing:
             # per choice: its last output token so far (what the next token's text follows; None at the start:
             # the choice's text is its output decoded alone, so its first token's text is decoded alone too)
             last: dict[int, int | None] = {}
+            replies: dict[int, list] = {}  # chat with tools: per choice [its whole text, how much of it was sent]
             async for events in generation.steps():
                 updates = [e for e in events if isinstance(e, SequenceUpdate)
                            and (e.text_delta or e.finished or e.new_logprobs or (generation.echo and e.prompt_logprobs))]
-                choices = [self._chat_choice(generation, generation.choice_index(e), e, last) if chat
+                choices = [self._chat_choice(generation, generation.choice_index(e), e, last, replies) if chat
                            else self._completion_choice(generation, generation.choice_index(e), e, offsets, last)
                            for e in updates]
                 chunks = [chunk_type(**head, choices=[choice]) for choice in choices]
@@ -397,7 +409,7 @@ class OpenAIServing:
         return CompletionChoice(index=index, text=text, finish_reason=update.finish_reason, logprobs=logprobs)
 
     def _chat_choice(self, generation: Generation, index: int, update: SequenceUpdate,
-                     last: dict[int, int | None]) -> ChatChunkChoice:
+                     last: dict[int, int | None], replies: dict[int, list]) -> ChatChunkChoice:
         top = generation.params.logprobs
         logprobs = None
         if top is not None:
@@ -406,8 +418,22 @@ class OpenAIServing:
             before = last.get(index)
             logprobs = wire_logprobs.chat_logprobs(tokens, kept, top, self.token_text, before)
             last[index] = tokens[-1] if tokens else before
-        return ChatChunkChoice(index=index, delta=DeltaMessage(content=update.text_delta or None),
-                               finish_reason=update.finish_reason, logprobs=logprobs)
+        if not generation.tools:
+            return ChatChunkChoice(index=index, delta=DeltaMessage(content=update.text_delta or None),
+                                   finish_reason=update.finish_reason, logprobs=logprobs)
+        # With tools, text from a call block's start on is held back (a tail that may still become one too);
+        # at the end the calls go out as one tool_calls delta and the rest of the text as content.
+        reply = replies.setdefault(index, ["", 0])
+        reply[0] += update.text_delta
+        if not update.finished:
+            end = held_back(reply[0])
+            delta, reply[1] = reply[0][reply[1]:end], max(reply[1], end)
+            return ChatChunkChoice(index=index, delta=DeltaMessage(content=delta or None), logprobs=logprobs)
+        content, calls = parse_tool_calls(reply[0])
+        rest = (content or "")[reply[1]:] if calls else reply[0][reply[1]:]
+        tool_calls = [DeltaToolCall(index=i, **call) for i, call in enumerate(calls)] or None
+        return ChatChunkChoice(index=index, delta=DeltaMessage(content=rest or None, tool_calls=tool_calls),
+                               finish_reason="tool_calls" if calls else update.finish_reason, logprobs=logprobs)
 
 
 def _response_format(response_format: dict[str, Any] | None) -> dict[str, Any] | None:

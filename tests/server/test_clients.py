@@ -256,6 +256,31 @@ def test_logprobs_echo_and_logit_bias_through_the_client(served):
         client.completions.create(model=served.name, prompt=prompt, max_tokens=4, logit_bias={"1": 500})
 
 
+def test_structured_outputs_response_format_and_tools_through_the_client(served):
+    """vLLM's structured_outputs (extra_body), OpenAI's response_format (json_schema, where the model's tokens
+    can spell JSON) and tools (refused with a 400 naming the field: neither template renders tools)."""
+    import json
+    import re
+
+    client = served.client()
+    messages = served.chats[0]
+    regex = "(w1|w2)*" if served.name == "tiny" else "[0-9]{3}-[a-z]{3}"
+    out = client.chat.completions.create(model=served.name, messages=messages, max_tokens=served.max_tokens,
+                                         temperature=0, extra_body={"structured_outputs": {"regex": regex}})
+    text = out.choices[0].message.content
+    assert re.fullmatch(regex, text.replace(" ", "") if served.name == "tiny" else text), text
+    if served.name != "tiny":  # the tiny model's tokens are words: it cannot write JSON
+        schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+                  "additionalProperties": False}
+        out = client.chat.completions.create(
+            model=served.name, messages=messages, max_tokens=served.max_tokens, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+        assert set(json.loads(out.choices[0].message.content)) == {"answer"}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="does not render tools"):
+        client.chat.completions.create(model=served.name, messages=messages, max_tokens=4, tools=[tool])
+
+
 def test_sync_stop_string_streamed_and_whole(served):
     client = served.client()
     prompt = served.prompts[0]

@@ -65,3 +65,15 @@ def gemma3():
     from quickdraft import LLM
 
     return LLM("gemma3-270m", dtype="float32", device="cpu")
+
+
+def assert_greedy_equals_plain(llm, plain, prompts, params, batches=(1, 4)):
+    """llm's outputs are plain's token for token at every batch size in `batches` (max_num_seqs), with drafts
+    proposed; returns llm's outputs of the last batch size."""
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    for batch in batches:
+        llm.max_num_seqs = batch
+        out = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in out] == want, batch
+    assert sum(o.metrics.proposed_tokens for o in out) > 0
+    return out

@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from conftest import tiny_llama
+from conftest import assert_greedy_equals_plain, tiny_llama
 from quickdraft import LLM, SamplingParams
 from quickdraft.drafts.cross_vocab import CrossVocabDraftProposer, VocabMapping, token_bytes
 from quickdraft.errors import QuickdraftError, TokenizerMismatchError
@@ -131,13 +131,7 @@ def test_greedy_output_is_plain_output_at_any_batch_size():
     llm = _cross_vocab_llm(k=4)
     plain = LLM(_models()[0], dtype="float32", device="cpu")
     prompts = [{"prompt_token_ids": p} for p in ([1, 2, 0, 1, 2], [0, 3, 3, 1], [2, 2, 2], [3, 0, 1, 0, 3, 1, 2])]
-    sp = SamplingParams(temperature=0, max_tokens=24)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
-    for batch in (1, 4):
-        llm.max_num_seqs = batch
-        out = llm.generate(prompts, sp)
-        assert [o.outputs[0].token_ids for o in out] == want
-    assert sum(o.metrics.proposed_tokens for o in out) > 0
+    assert_greedy_equals_plain(llm, plain, prompts, SamplingParams(temperature=0, max_tokens=24))
     # The draft's cache holds draft tokens: its length follows the translated history, not the target's.
     seq = llm.engine.new_sequence([2, 0, 2, 3], SamplingParams(temperature=0, max_tokens=2))
     assert llm.proposer.draft_history(seq) == [4, 2]  # c, a, c, ab -> a, ab

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import assert_greedy_equals_plain
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import PenaltyHistory, process
@@ -167,14 +167,8 @@ def test_greedy_constrained_output_equals_plain_with_lookup_drafts():
     spec = _llm("ngram")
     prompts = [{"prompt_token_ids": p} for p in ([0, 2, 2, 0, 2, 2, 0], [1, 2, 0, 1, 2, 0, 1], [3, 3, 1, 3])]
     sp = SamplingParams(temperature=0, max_tokens=16, structured_outputs={"regex": REGEX})
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
-    for batch in (1, 4):
-        spec.max_num_seqs = batch
-        got = spec.generate(prompts, sp)
-        assert [o.outputs[0].token_ids for o in got] == want
-        assert sum(o.metrics.proposed_tokens for o in got) > 0
-    for ids in want:
-        assert re.fullmatch(REGEX, "".join(TARGET_PIECES[t] for t in ids))
+    for out in assert_greedy_equals_plain(spec, plain, prompts, sp):
+        assert re.fullmatch(REGEX, "".join(TARGET_PIECES[t] for t in out.outputs[0].token_ids))
 
 
 @pytest.mark.slow

@@ -18,21 +18,25 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TYPES = sorted(quant.SUPPORTED)
 needs_kernels = pytest.mark.skipif(kernels.cpu_linear() is None, reason="needs quickdraft's AVX512-BF16 kernels")
-# The quantized kernels this CPU runs: bf16 everywhere the kernels build, int8 and int16 where it has AVX512-VNNI.
-KERNELS = ["bf16", "int8", "int16"]
+# The quantized kernels this CPU runs: bf16 everywhere the kernels build, int8 and int16 where it has AVX512-VNNI
+# (calls of many rows on AMX-INT8 tiles where it has those; "/vpdpbusd": without tiles, as on CPUs without AMX).
+KERNELS = ["bf16", "int8", "int16", "int8/vpdpbusd", "int16/vpdpbusd"]
 
 
 @contextlib.contextmanager
 def kernel(name: str):
     module = kernels.cpu_linear()
+    scheme, _, only = name.partition("/")
     try:
-        before = module.set_quant_kernel(name)
+        before = module.set_quant_kernel(scheme)
     except RuntimeError as error:
         pytest.skip(str(error))
+    amx_before = module.set_quant_amx(only != "vpdpbusd")
     try:
         yield module
     finally:
         module.set_quant_kernel(before)
+        module.set_quant_amx(amx_before)
 
 
 
@@ -118,7 +122,7 @@ def test_linear_kernel_against_float64(qtype, name):
             if name == "bf16":
                 exact, magnitude = x.double() @ w.double().T, x.double().abs() @ w.double().abs().T
             else:  # the dequantized weights times the activations as the kernel takes them to integers
-                exact, magnitude = integer_reference(x, w, qtype, 1 if name == "int8" else 2)
+                exact, magnitude = integer_reference(x, w, qtype, 1 if name.startswith("int8") else 2)
             # bf16 output (relative 2^-9) plus float32 summation over the blocks (relative to sum |x| |w|)
             bound = exact.abs() * 2.0 ** -8 + magnitude * 1e-6
             assert ((y - exact).abs() <= bound).all(), (y - exact).abs().max()
@@ -184,6 +188,25 @@ def test_fused_parts_of_different_types_equal_their_separate_products(name):
         fused = module.linear_quant(x, [p.packed for p in parts], [p.qtype for p in parts])
         separate = torch.cat([module.linear_quant(x, [p.packed], [p.qtype]) for p in parts], dim=1)
     assert torch.equal(fused, separate)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["int8", "int16"])
+@pytest.mark.parametrize("qtype", TYPES, ids=[quant.NAMES[t] for t in TYPES])
+def test_amx_tiles_compute_the_bits_of_the_vpdpbusd_kernel(qtype, name):
+    """Calls of 16 rows or more run on AMX-INT8 tiles (K-quants; every type with two digits): the same bits."""
+    module = kernels.cpu_linear()
+    if not module.set_quant_amx(True) and not module.quant_amx():
+        pytest.skip("this CPU has no AMX-INT8 tiles")
+    block = quant.LAYOUT[qtype][0]
+    packed = quant.pack(quant.decode(random_blocks(qtype, 112, 3 * block, seed=7), qtype, 3 * block))
+    torch.manual_seed(2)
+    x = torch.randn(37, 3 * block).bfloat16()  # 37 rows: tiles of 16, 16 and 5 (zero rows after)
+    with kernel(name):
+        tiles = module.linear_quant(x, [packed.packed], [qtype])
+    with kernel(name + "/vpdpbusd"):
+        vnni = module.linear_quant(x, [packed.packed], [qtype])
+    assert torch.equal(tiles, vnni)
 
 
 @needs_kernels

@@ -19,6 +19,8 @@ torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tens
 torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& rows, int64_t K);
 std::string get_quant_kernel();
 std::string set_quant_kernel(const std::string& name);
+bool get_quant_amx();
+bool set_quant_amx(bool on);
 torch::Tensor attention(const torch::Tensor& q, int64_t num_q_heads, const torch::Tensor& keys,
                         const torch::Tensor& values, int64_t start, int64_t window, double scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool llama_style);
@@ -184,6 +186,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "an activation, AVX512-VNNI)");
   m.def("set_quant_kernel", &set_quant_kernel, "choose the quantized linear kernel (bf16, int8, int16); returns the "
         "one before");
+  m.def("quant_amx", &get_quant_amx, "whether the integer quantized kernels run calls of many rows on AMX-INT8 tiles");
+  m.def("set_quant_amx", &set_quant_amx, "AMX-INT8 tiles for calls of many rows on (where the CPU has them) or off; "
+        "returns the setting before");
   m.def("dequantize_rows", &dequantize_rows, "rows of a packed quantized weight as float32 (the embedding lookup)");
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, double, double, bool, bool>())

@@ -28,6 +28,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #pragma GCC push_options
@@ -90,14 +93,15 @@ void quantize_row(const c10::BFloat16* x, Activations& a, int64_t m) {
   }
 }
 
-void quantize(const c10::BFloat16* x, int64_t M, int64_t K, int64_t block, int digits, bool nibble_order,
-              Activations& a) {
+// rows: M, or more (a multiple of the AMX tile's rows): the rows past M are zeros.
+void quantize(const c10::BFloat16* x, int64_t M, int64_t rows, int64_t K, int64_t block, int digits,
+              bool nibble_order, Activations& a) {
   a.M = M, a.K = K, a.block = block, a.digits = digits, a.nibble_order = nibble_order;
-  a.high.resize(M * K);
-  a.low.resize(digits == 2 ? M * K : 0);
-  a.scale.resize(M * (K / block));
-  a.sum16.resize(M * (K / 16));
-  a.sum32.resize(M * (K / 32));
+  a.high.assign(rows * K, 0);
+  a.low.assign(digits == 2 ? rows * K : 0, 0);
+  a.scale.assign(rows * (K / block), 0.0f);
+  a.sum16.assign(rows * (K / 16), 0);
+  a.sum32.assign(rows * (K / 32), 0.0f);
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) quantize_row(x + m * K, a, m);
   });
@@ -270,6 +274,95 @@ void groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, c10:
   }
 }
 
+// --- AMX-INT8 tiles, for many rows -------------------------------------------------------------------------
+// The same integer dot products on tiles. For a sub-block, the B tile is the code vectors as codes() gives them
+// (row 2i + half: 4 inputs of 16 outputs, 64 bytes: exactly AMX's B layout), the A tile the rows' activation
+// digits (the same bytes in the same order), and C[m][n] the exact int32 dot; the float finish is tile()'s, op
+// for op, so each row's outputs are bitwise those of the vpdpbusd kernel (integer sums have no rounding).
+
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Groups [g0, g1), one at a time, rows in tiles of R (the activations are padded with zero rows to a multiple
+// of R). B holds the codes less their zero point (signed bytes, tdpbssd): the same integer as the
+// vpdpbusd kernel's sum q v - z sum v, without the correction. A super-block's codes are unpacked first and
+// its tile products all issued before any is finished, so that the tiles' latency overlaps (measured: a
+// sub-block at a time, unpack, multiply, finish, ran no faster than vpdpbusd). One digit: tiles 0/1 A, 2/5 B,
+// 3/4 C, alternating by sub-block; two digits: 0 A high, 1 A low, 2 B, 3 and 4 C of the high and low digits.
+template <class Q, int D, int R>
+__attribute__((target("avx512vnni,amx-tile,amx-int8")))
+void amx_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, c10::BFloat16* y, int64_t ldy) {
+  const int64_t M = a.M, K = a.K, super_blocks = K / Q::SB, group_bytes = super_blocks * Q::kChunk;
+  constexpr int kUnits = Q::kSubK / 8, kRowsB = Q::kSubK / 4, kSubs = Q::kSubs;
+  constexpr int kAhead = (8192 + Q::kChunk - 1) / Q::kChunk;
+  alignas(64) uint8_t codes[kSubs][kRowsB * 64];
+  alignas(64) int32_t dots[kSubs][D][R * 16];  // [sub-block][digit][row * 16 + output]
+  TileConfig config;
+  for (int t : {0, 1}) config.rows[t] = R, config.colsb[t] = Q::kSubK;
+  for (int t : {2, 5}) config.rows[t] = kRowsB, config.colsb[t] = 64;
+  for (int t : {3, 4}) config.rows[t] = R, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+  const __m512i zero_point = _mm512_set1_epi8(static_cast<char>(Q::kZero));
+  for (int64_t m0 = 0; m0 < M; m0 += R) {
+    const int rows = static_cast<int>(std::min<int64_t>(R, M - m0));
+    for (int64_t g = g0; g < g1; ++g) {
+      __m512 total[R];
+      for (int m = 0; m < R; ++m) total[m] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < super_blocks; ++b) {
+        const uint8_t* chunk = w + g * group_bytes + b * Q::kChunk;
+        for (int line = 0; line < Q::kChunk; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead * Q::kChunk + line), _MM_HINT_T0);
+        for (int s = 0; s < kSubs; ++s)
+          for (int i = 0; i < kUnits; ++i) {
+            __m512i ca, cb;
+            Q::codes(chunk, s * kUnits + i, ca, cb);
+            _mm512_store_si512(codes[s] + (2 * i) * 64, _mm512_sub_epi8(ca, zero_point));
+            _mm512_store_si512(codes[s] + (2 * i + 1) * 64, _mm512_sub_epi8(cb, zero_point));
+          }
+        const int8_t* high = a.high.data() + m0 * K + b * Q::SB;
+        for (int s = 0; s < kSubs; ++s) {  // tile numbers must be immediates: even and odd sub-blocks spelled out
+          if constexpr (D == 2) {
+            _tile_loadd(2, codes[s], 64);
+            _tile_loadd(0, high + s * Q::kSubK, K);
+            _tile_loadd(1, a.low.data() + m0 * K + b * Q::SB + s * Q::kSubK, K);
+            _tile_zero(3); _tile_zero(4);
+            _tile_dpbssd(3, 0, 2); _tile_dpbssd(4, 1, 2);
+            _tile_stored(3, dots[s][0], 64); _tile_stored(4, dots[s][D - 1], 64);
+          } else if (s % 2 == 0) {
+            _tile_loadd(2, codes[s], 64); _tile_loadd(0, high + s * Q::kSubK, K);
+            _tile_zero(3); _tile_dpbssd(3, 0, 2); _tile_stored(3, dots[s][0], 64);
+          } else {
+            _tile_loadd(5, codes[s], 64); _tile_loadd(1, high + s * Q::kSubK, K);
+            _tile_zero(4); _tile_dpbssd(4, 1, 5); _tile_stored(4, dots[s][0], 64);
+          }
+        }
+        for (int s = 0; s < kSubs; ++s) {
+          const int64_t ks = b * Q::SB + s * Q::kSubK;
+          const __m512 sc = Q::scale(chunk, s);
+          const __m512 mn = Q::min(chunk, s);
+          const float* scale = a.scale.data() + m0 * (K / a.block) + ks / a.block;
+          const float* sum32 = a.sum32.data() + m0 * (K / 32) + ks / 32;
+          for (int m = 0; m < R; ++m) {  // the finish of tile(), op for op
+            __m512i dot = _mm512_load_si512(dots[s][0] + m * 16);
+            if constexpr (D == 2) dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), _mm512_load_si512(dots[s][D - 1] + m * 16));
+            const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sc);
+            total[m] = _mm512_fmadd_ps(part, _mm512_set1_ps(scale[m * (K / a.block)]), total[m]);
+            if constexpr (Q::kMin) total[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum32[m * (K / 32)]), total[m]);
+          }
+        }
+      }
+      for (int m = 0; m < rows; ++m)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + m) * ldy + g * 16), (__m256i)_mm512_cvtneps_pbh(total[m]));
+    }
+  }
+  _tile_release();
+}
+
 template <class F>
 decltype(auto) dispatch(int64_t type, F&& f) {
   return dispatch_type<Q4_0V, Q4_1V, Q5_0V, Q8_0V, Q4_KV, Q6_KV>(type, std::forward<F>(f));
@@ -279,10 +372,45 @@ decltype(auto) dispatch(int64_t type, F&& f) {
 
 #pragma GCC pop_options
 
+bool amx_available();  // cpu_linear.cpp: the OS lets this process use AMX tiles
+
 bool quant_vnni_available() {
   static const bool ok = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
   return ok;
 }
+
+namespace {
+// Where the CPU has AMX-INT8, a weight's call of this many rows runs on tiles (the same bits either way) if it
+// is a K-quant or the activations have two digits. Measured, one thread, weights in cache (ns a weight and row,
+// vpdpbusd -> tiles, int8): Q4_K 0.0058 -> 0.0041 and Q6_K 0.0083 -> 0.0063 at 16 rows, but 0.0058 -> 0.0058
+// at 8; the 32-input types gain nothing in int8 (Q4_1 0.0054 -> 0.0064 at 16 rows: one sub-block a chunk
+// leaves the tiles' latency exposed), in int16 0.0091 -> 0.0075.
+constexpr int64_t kAmxRows = 16;
+template <class Q>
+bool on_tiles(int64_t M, int digits, bool amx) { return amx && M >= kAmxRows && (Q::SB == 256 || digits == 2); }
+// -1: not chosen yet; QUICKDRAFT_QUANT_AMX=0 keeps the vpdpbusd kernel for every call (to test it on AMX CPUs).
+std::atomic<int> use_amx{-1};
+
+bool amx_int8_in_use() {
+  int on = use_amx.load();
+  if (on < 0) {
+    const char* env = std::getenv("QUICKDRAFT_QUANT_AMX");
+    on = quant_vnni_available() && __builtin_cpu_supports("amx-int8") && amx_available() &&
+         !(env && std::string(env) == "0");
+    use_amx.store(on);
+  }
+  return on;
+}
+}  // namespace
+
+// Whether calls of many rows run on AMX-INT8 tiles; set_quant_amx(false) keeps them on vpdpbusd, true asks for
+// tiles (granted where the CPU has them). Returns the setting before.
+bool set_quant_amx(bool on) {
+  const bool before = amx_int8_in_use();
+  use_amx.store(on && quant_vnni_available() && __builtin_cpu_supports("amx-int8") && amx_available());
+  return before;
+}
+bool get_quant_amx() { return amx_int8_in_use(); }
 
 // y = x [W_0; W_1; ...]^T as cpu_quant.cpp's linear_quant (which checked the arguments), with `digits` (1 or 2)
 // integer digits an activation. Runs only where quant_vnni_available().
@@ -311,10 +439,15 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const auto* xp = x.data_ptr<c10::BFloat16>();
+  const bool amx = amx_int8_in_use();
+  bool tiles = false;
+  for (int64_t type : types)
+    tiles = tiles || dispatch(type, [&](auto q) { return on_tiles<decltype(q)>(M, digits, amx); });
+  const int64_t rows = tiles ? (M + 15) / 16 * 16 : M;  // zero rows past M for the tiles
   Activations acts[4];
   for (int wide = 0; wide < 2; ++wide)
     for (int nibbles = 0; nibbles < 2; ++nibbles)
-      if (needed[wide][nibbles]) quantize(xp, M, K, wide ? 256 : 32, digits, nibbles, acts[2 * wide + nibbles]);
+      if (needed[wide][nibbles]) quantize(xp, M, rows, K, wide ? 256 : 32, digits, nibbles, acts[2 * wide + nibbles]);
   auto* yp = y.data_ptr<c10::BFloat16>();
   at::parallel_for(0, total_groups, 4, [&](int64_t begin, int64_t end) {
     int64_t base = 0;
@@ -324,7 +457,11 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
         dispatch(part.type, [&](auto q) {
           using Q = decltype(q);
           const Activations& a = acts[part.variant];
-          if (digits == 1) groups<Q, 1>(a, part.w, lo - base, hi - base, yp + part.column, N);
+          auto* yq = yp + part.column;
+          const bool tiles = on_tiles<Q>(M, digits, amx);
+          if (tiles && digits == 1) amx_groups<Q, 1, 16>(a, part.w, lo - base, hi - base, yq, N);
+          else if (tiles) amx_groups<Q, 2, 16>(a, part.w, lo - base, hi - base, yq, N);
+          else if (digits == 1) groups<Q, 1>(a, part.w, lo - base, hi - base, yp + part.column, N);
           else groups<Q, 2>(a, part.w, lo - base, hi - base, yp + part.column, N);
         });
       base += part.groups;

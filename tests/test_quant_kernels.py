@@ -194,7 +194,7 @@ def test_fused_parts_of_different_types_equal_their_separate_products(name):
 @pytest.mark.parametrize("name", ["int8", "int16"])
 @pytest.mark.parametrize("qtype", TYPES, ids=[quant.NAMES[t] for t in TYPES])
 def test_amx_tiles_compute_the_bits_of_the_vpdpbusd_kernel(qtype, name):
-    """Calls of 16 rows or more run on AMX-INT8 tiles (K-quants; every type with two digits): the same bits."""
+    """Calls of 16 rows or more run on AMX-INT8 tiles where the CPU has them: the same bits as vpdpbusd."""
     module = kernels.cpu_linear()
     if not module.set_quant_amx(True) and not module.quant_amx():
         pytest.skip("this CPU has no AMX-INT8 tiles")

@@ -298,10 +298,12 @@ template <class Q, int D, int R>
 __attribute__((target("avx512vnni,amx-tile,amx-int8")))
 void amx_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, c10::BFloat16* y, int64_t ldy) {
   const int64_t M = a.M, K = a.K, super_blocks = K / Q::SB, group_bytes = super_blocks * Q::kChunk;
-  constexpr int kUnits = Q::kSubK / 8, kRowsB = Q::kSubK / 4, kSubs = Q::kSubs;
+  constexpr int kUnits = Q::kSubK / 8, kRowsB = Q::kSubK / 4;
+  constexpr int kBatch = 8;  // sub-blocks unpacked and multiplied before the first of them is finished
   constexpr int kAhead = (8192 + Q::kChunk - 1) / Q::kChunk;
-  alignas(64) uint8_t codes[kSubs][kRowsB * 64];
-  alignas(64) int32_t dots[kSubs][D][R * 16];  // [sub-block][digit][row * 16 + output]
+  const int64_t subs = super_blocks * Q::kSubs;  // sub-block t: chunk t / kSubs, its sub-block t % kSubs
+  alignas(64) uint8_t codes[kBatch][kRowsB * 64];
+  alignas(64) int32_t dots[kBatch][D][R * 16];  // [sub-block][digit][row * 16 + output]
   TileConfig config;
   for (int t : {0, 1}) config.rows[t] = R, config.colsb[t] = Q::kSubK;
   for (int t : {2, 5}) config.rows[t] = kRowsB, config.colsb[t] = 64;
@@ -313,43 +315,50 @@ void amx_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, 
     for (int64_t g = g0; g < g1; ++g) {
       __m512 total[R];
       for (int m = 0; m < R; ++m) total[m] = _mm512_setzero_ps();
-      for (int64_t b = 0; b < super_blocks; ++b) {
-        const uint8_t* chunk = w + g * group_bytes + b * Q::kChunk;
-        for (int line = 0; line < Q::kChunk; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead * Q::kChunk + line), _MM_HINT_T0);
-        for (int s = 0; s < kSubs; ++s)
-          for (int i = 0; i < kUnits; ++i) {
+      for (int64_t t0 = 0; t0 < subs; t0 += kBatch) {
+        const int batch = static_cast<int>(std::min<int64_t>(kBatch, subs - t0));
+        for (int i = 0; i < batch; ++i) {
+          const int64_t t = t0 + i;
+          const uint8_t* chunk = w + g * group_bytes + (t / Q::kSubs) * Q::kChunk;
+          if (t % Q::kSubs == 0)
+            for (int line = 0; line < Q::kChunk; line += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead * Q::kChunk + line), _MM_HINT_T0);
+          for (int u = 0; u < kUnits; ++u) {
             __m512i ca, cb;
-            Q::codes(chunk, s * kUnits + i, ca, cb);
-            _mm512_store_si512(codes[s] + (2 * i) * 64, _mm512_sub_epi8(ca, zero_point));
-            _mm512_store_si512(codes[s] + (2 * i + 1) * 64, _mm512_sub_epi8(cb, zero_point));
-          }
-        const int8_t* high = a.high.data() + m0 * K + b * Q::SB;
-        for (int s = 0; s < kSubs; ++s) {  // tile numbers must be immediates: even and odd sub-blocks spelled out
-          if constexpr (D == 2) {
-            _tile_loadd(2, codes[s], 64);
-            _tile_loadd(0, high + s * Q::kSubK, K);
-            _tile_loadd(1, a.low.data() + m0 * K + b * Q::SB + s * Q::kSubK, K);
-            _tile_zero(3); _tile_zero(4);
-            _tile_dpbssd(3, 0, 2); _tile_dpbssd(4, 1, 2);
-            _tile_stored(3, dots[s][0], 64); _tile_stored(4, dots[s][D - 1], 64);
-          } else if (s % 2 == 0) {
-            _tile_loadd(2, codes[s], 64); _tile_loadd(0, high + s * Q::kSubK, K);
-            _tile_zero(3); _tile_dpbssd(3, 0, 2); _tile_stored(3, dots[s][0], 64);
-          } else {
-            _tile_loadd(5, codes[s], 64); _tile_loadd(1, high + s * Q::kSubK, K);
-            _tile_zero(4); _tile_dpbssd(4, 1, 5); _tile_stored(4, dots[s][0], 64);
+            Q::codes(chunk, static_cast<int>(t % Q::kSubs) * kUnits + u, ca, cb);
+            _mm512_store_si512(codes[i] + (2 * u) * 64, _mm512_sub_epi8(ca, zero_point));
+            _mm512_store_si512(codes[i] + (2 * u + 1) * 64, _mm512_sub_epi8(cb, zero_point));
           }
         }
-        for (int s = 0; s < kSubs; ++s) {
-          const int64_t ks = b * Q::SB + s * Q::kSubK;
+        for (int i = 0; i < batch; ++i) {  // tile numbers must be immediates: even and odd ones spelled out
+          const int64_t k = (t0 + i) * Q::kSubK;
+          const int8_t* high = a.high.data() + m0 * K + k;
+          if constexpr (D == 2) {
+            _tile_loadd(2, codes[i], 64);
+            _tile_loadd(0, high, K);
+            _tile_loadd(1, a.low.data() + m0 * K + k, K);
+            _tile_zero(3); _tile_zero(4);
+            _tile_dpbssd(3, 0, 2); _tile_dpbssd(4, 1, 2);
+            _tile_stored(3, dots[i][0], 64); _tile_stored(4, dots[i][D - 1], 64);
+          } else if (i % 2 == 0) {
+            _tile_loadd(2, codes[i], 64); _tile_loadd(0, high, K);
+            _tile_zero(3); _tile_dpbssd(3, 0, 2); _tile_stored(3, dots[i][0], 64);
+          } else {
+            _tile_loadd(5, codes[i], 64); _tile_loadd(1, high, K);
+            _tile_zero(4); _tile_dpbssd(4, 1, 5); _tile_stored(4, dots[i][0], 64);
+          }
+        }
+        for (int i = 0; i < batch; ++i) {
+          const int64_t t = t0 + i, ks = t * Q::kSubK;
+          const uint8_t* chunk = w + g * group_bytes + (t / Q::kSubs) * Q::kChunk;
+          const int s = static_cast<int>(t % Q::kSubs);
           const __m512 sc = Q::scale(chunk, s);
           const __m512 mn = Q::min(chunk, s);
           const float* scale = a.scale.data() + m0 * (K / a.block) + ks / a.block;
           const float* sum32 = a.sum32.data() + m0 * (K / 32) + ks / 32;
           for (int m = 0; m < R; ++m) {  // the finish of tile(), op for op
-            __m512i dot = _mm512_load_si512(dots[s][0] + m * 16);
-            if constexpr (D == 2) dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), _mm512_load_si512(dots[s][D - 1] + m * 16));
+            __m512i dot = _mm512_load_si512(dots[i][0] + m * 16);
+            if constexpr (D == 2) dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), _mm512_load_si512(dots[i][D - 1] + m * 16));
             const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sc);
             total[m] = _mm512_fmadd_ps(part, _mm512_set1_ps(scale[m * (K / a.block)]), total[m]);
             if constexpr (Q::kMin) total[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum32[m * (K / 32)]), total[m]);
@@ -380,14 +389,11 @@ bool quant_vnni_available() {
 }
 
 namespace {
-// Where the CPU has AMX-INT8, a weight's call of this many rows runs on tiles (the same bits either way) if it
-// is a K-quant or the activations have two digits. Measured, one thread, weights in cache (ns a weight and row,
-// vpdpbusd -> tiles, int8): Q4_K 0.0058 -> 0.0041 and Q6_K 0.0083 -> 0.0063 at 16 rows, but 0.0058 -> 0.0058
-// at 8; the 32-input types gain nothing in int8 (Q4_1 0.0054 -> 0.0064 at 16 rows: one sub-block a chunk
-// leaves the tiles' latency exposed), in int16 0.0091 -> 0.0075.
+// Where the CPU has AMX-INT8, calls of this many rows run on tiles (the same bits either way). Measured, one
+// thread, weights in cache, ns a weight and row, vpdpbusd -> tiles, int8: at 16 rows Q4_K 0.0056 -> 0.0040,
+// Q6_K 0.0082 -> 0.0067, Q4_1 0.0053 -> 0.0040, Q8_0 0.0065 -> 0.0041; at 8 rows (tiles of 8) no gain (Q4_K
+// 0.0057 both, Q6_K 0.0083 -> 0.0100): the per-row float finish, not the dot products, is the cost there.
 constexpr int64_t kAmxRows = 16;
-template <class Q>
-bool on_tiles(int64_t M, int digits, bool amx) { return amx && M >= kAmxRows && (Q::SB == 256 || digits == 2); }
 // -1: not chosen yet; QUICKDRAFT_QUANT_AMX=0 keeps the vpdpbusd kernel for every call (to test it on AMX CPUs).
 std::atomic<int> use_amx{-1};
 
@@ -439,10 +445,7 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const auto* xp = x.data_ptr<c10::BFloat16>();
-  const bool amx = amx_int8_in_use();
-  bool tiles = false;
-  for (int64_t type : types)
-    tiles = tiles || dispatch(type, [&](auto q) { return on_tiles<decltype(q)>(M, digits, amx); });
+  const bool tiles = M >= kAmxRows && amx_int8_in_use();
   const int64_t rows = tiles ? (M + 15) / 16 * 16 : M;  // zero rows past M for the tiles
   Activations acts[4];
   for (int wide = 0; wide < 2; ++wide)
@@ -458,7 +461,6 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
           using Q = decltype(q);
           const Activations& a = acts[part.variant];
           auto* yq = yp + part.column;
-          const bool tiles = on_tiles<Q>(M, digits, amx);
           if (tiles && digits == 1) amx_groups<Q, 1, 16>(a, part.w, lo - base, hi - base, yq, N);
           else if (tiles) amx_groups<Q, 2, 16>(a, part.w, lo - base, hi - base, yq, N);
           else if (digits == 1) groups<Q, 1>(a, part.w, lo - base, hi - base, yp + part.column, N);

@@ -9,8 +9,8 @@ bfloat16 widens them (the floor of the bf16 weights). --dtype both interleaves t
 --kernels: the quantized kernels to compare (kernels/cpu_quant*.cpp: int8 or int16 digits an activation on
 integer dot products, or bf16), each case of dtype auto run once per kernel in every round.
 
-Sizes and modes are interleaved round by round, and medians are printed, so that drift of a shared machine
-hits all alike. Run it with nothing else running.
+Sizes and modes are interleaved round by round, and medians (and the fastest round) are printed, so that
+drift of a shared machine hits all alike. Run it with nothing else running.
 """
 
 from __future__ import annotations
@@ -96,9 +96,12 @@ def main() -> None:
             if d != dtype:
                 continue
             one, many = (statistics.median(times[((d, kernel, name), n)]) for n in sizes)
+            best_one, best_many = (min(times[((d, kernel, name), n)]) for n in sizes)
             label = f"{name} [{kernel}]" if kernel != "-" else name
             print(f"  {label:46s} 1 token {one * 1e3:6.2f} ms ({one / floor:.2f}x floor)   "
-                  f"{args.tokens} tokens {many * 1e3:6.2f} ms ({many / one:.2f}x one)")
+                  f"{args.tokens} tokens {many * 1e3:6.2f} ms ({many / one:.2f}x one)   "
+                  f"fastest: {best_one * 1e3:6.2f} ms ({best_one / floor:.2f}x floor), {best_many * 1e3:6.2f} ms "
+                  f"({best_many / best_one:.2f}x)")
 
 if __name__ == "__main__":
     main()

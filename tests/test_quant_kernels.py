@@ -187,7 +187,10 @@ def test_fused_parts_of_different_types_equal_their_separate_products(name):
     with kernel(name) as module:
         fused = module.linear_quant(x, [p.packed for p in parts], [p.qtype for p in parts])
         separate = torch.cat([module.linear_quant(x, [p.packed], [p.qtype]) for p in parts], dim=1)
+        logits = module.linear_quant(x, [p.packed for p in parts], [p.qtype for p in parts], float_output=True)
     assert torch.equal(fused, separate)
+    # float32 outputs (the logits) are the same sums before their rounding to bf16
+    assert logits.dtype == torch.float32 and torch.equal(logits.bfloat16(), fused) and not torch.equal(logits, fused.float())
 
 
 @needs_kernels

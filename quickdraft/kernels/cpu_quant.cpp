@@ -41,7 +41,7 @@
 // The integer-dot-product kernels (cpu_quant_vnni.cpp): whether this CPU runs them, and y = x W^T on them.
 bool quant_vnni_available();
 torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
-                                const std::vector<int64_t>& types, int digits);
+                                const std::vector<int64_t>& types, int digits, bool float_output);
 
 namespace {
 
@@ -173,9 +173,9 @@ float Q6_K::value(const uint8_t* c, int n, int k) {
 // MR rows of x by NB groups of 16 outputs, over all of K. x: pairs of bf16 as 32-bit words, row stride
 // half_k; xsum: per row, the float32 sum of x over each 32-wide block (types with mins); w: the chunks of
 // the tile's first group (groups `group_bytes` apart); y: the tile's first output of row 0.
-template <class Q, int MR, int NB>
+template <class Q, int MR, int NB, class Y>
 void tile(const int32_t* x, int64_t half_k, const float* xsum, int64_t xsum_stride, const uint8_t* w,
-          int64_t group_bytes, int64_t super_blocks, c10::BFloat16* y, int64_t ldy) {
+          int64_t group_bytes, int64_t super_blocks, Y* y, int64_t ldy) {
   __m512i t[3];
   Q::load_tables(t);
   __m512 total[MR][NB];
@@ -220,15 +220,15 @@ void tile(const int32_t* x, int64_t half_k, const float* xsum, int64_t xsum_stri
   }
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NB; ++j)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + j * 16), (__m256i)_mm512_cvtneps_pbh(total[m][j]));
+      store16(y + m * ldy + j * 16, total[m][j]);
 }
 
 // Groups [g0, g1) of one weight, all M rows. One or two rows take 4 groups a tile (independent accumulators
 // hide the dot product's latency); more rows go in blocks of at most 6, as even as possible, by 2
 // groups (each unpacked weight vector then serves up to 6 rows).
-template <class Q>
+template <class Q, class Y>
 void groups(const int32_t* x, int64_t M, int64_t half_k, const float* xsum, int64_t xsum_stride, const uint8_t* w,
-            int64_t g0, int64_t g1, c10::BFloat16* y, int64_t ldy) {
+            int64_t g0, int64_t g1, Y* y, int64_t ldy) {
   const int64_t super_blocks = 2 * half_k / Q::SB;
   const int64_t group_bytes = super_blocks * Q::kChunk;
   auto at = [&](int64_t g) { return w + g * group_bytes; };
@@ -246,7 +246,7 @@ void groups(const int32_t* x, int64_t M, int64_t half_k, const float* xsum, int6
       const int64_t rows = std::min<int64_t>(block_rows, M - m0);
       const int32_t* xm = x + m0 * half_k;
       const float* sm = xsum + m0 * xsum_stride;
-      c10::BFloat16* ym = y + m0 * ldy + g * 16;
+      Y* ym = y + m0 * ldy + g * 16;
 #define QD_TILE(R)                                                                                         \
   case R:                                                                                                  \
     if (pair) tile<Q, R, 2>(xm, half_k, sm, xsum_stride, at(g), group_bytes, super_blocks, ym, ldy);        \
@@ -327,9 +327,10 @@ std::string set_quant_kernel(const std::string& name) {
 
 // y = x [W_0; W_1; ...]^T: the outputs of several quantized weights (each its own type) side by side, as a fused
 // q|k|v or gate|up projection whose parts GGUF stores in different types. x: [M, K] bf16; weights[i]: packed
-// [N_i/16, K/SB_i, chunk_i] uint8 of GGML type types[i]. Returns [M, sum N_i] bf16.
+// [N_i/16, K/SB_i, chunk_i] uint8 of GGML type types[i]. Returns [M, sum N_i] bf16, or float32 if float_output
+// (logits: rounded to bf16, near-ties of the largest logits become ties).
 torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
-                           const std::vector<int64_t>& types) {
+                           const std::vector<int64_t>& types, bool float_output) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous 2-d bf16 CPU tensor");
   TORCH_CHECK(!weights.empty() && weights.size() == types.size(), "one type per quantized weight");
@@ -346,8 +347,8 @@ torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tens
     mins = mins || info(types[i]).mins;
   }
   const int kernel = quant_kernel_in_use();
-  if (kernel != kBf16) return linear_quant_vnni(x, weights, types, kernel == kInt8 ? 1 : 2);
-  auto y = torch::empty({M, N}, x.options());
+  if (kernel != kBf16) return linear_quant_vnni(x, weights, types, kernel == kInt8 ? 1 : 2, float_output);
+  auto y = torch::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
   const auto* xp = reinterpret_cast<const int32_t*>(x.data_ptr<c10::BFloat16>());
   const int64_t half_k = K / 2, blocks = K / 32;
@@ -362,19 +363,22 @@ torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tens
         xsum[m * blocks + b] = s;
       }
   }
-  auto* yp = y.data_ptr<c10::BFloat16>();
   // Threads split the groups of all parts (4 at a time: one few-row tile); a range may span parts.
-  at::parallel_for(0, total_groups, 4, [&](int64_t begin, int64_t end) {
-    int64_t base = 0;
-    for (const Part& part : parts) {
-      const int64_t lo = std::max(begin, base), hi = std::min(end, base + part.groups);
-      if (lo < hi)
-        dispatch(part.type, [&](auto q) {
-          groups<decltype(q)>(xp, M, half_k, xsum.data(), blocks, part.w, lo - base, hi - base, yp + part.column, N);
-        });
-      base += part.groups;
-    }
-  });
+  auto run = [&](auto* yp) {
+    at::parallel_for(0, total_groups, 4, [&](int64_t begin, int64_t end) {
+      int64_t base = 0;
+      for (const Part& part : parts) {
+        const int64_t lo = std::max(begin, base), hi = std::min(end, base + part.groups);
+        if (lo < hi)
+          dispatch(part.type, [&](auto q) {
+            groups<decltype(q)>(xp, M, half_k, xsum.data(), blocks, part.w, lo - base, hi - base, yp + part.column, N);
+          });
+        base += part.groups;
+      }
+    });
+  };
+  if (float_output) run(y.data_ptr<float>());
+  else run(y.data_ptr<c10::BFloat16>());
   return y;
 }
 

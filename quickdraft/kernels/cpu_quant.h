@@ -9,6 +9,7 @@
 #pragma once
 
 #include <c10/util/Exception.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
@@ -27,6 +28,12 @@ inline __m512 u8x16(const uint8_t* p) {
 inline __m512 i8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+
+// 16 outputs stored as bf16 (a layer's activations) or float32 (logits: bf16 would round near-ties into ties).
+inline void store16(c10::BFloat16* y, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
 
 // Per type: SB inputs per chunk (a packed super-block) and the chunk's bytes, its kSubs sub-blocks of kSubK
 // inputs, whether it has mins, and the float32 scale (and min) of sub-block j for the chunk's 16 outputs.

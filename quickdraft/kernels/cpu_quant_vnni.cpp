@@ -170,9 +170,9 @@ struct Q8_0V : Q8_0Layout {
 
 // Rows m0 .. m0+MR of the activations by NB groups of 16 outputs, over all of K, with D digits an activation.
 // w: the chunks of the tile's first group (groups `group_bytes` apart); y: the tile's first output of row m0.
-template <class Q, int MR, int NB, int D>
+template <class Q, int MR, int NB, int D, class Y>
 void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_bytes, int64_t super_blocks,
-          c10::BFloat16* y, int64_t ldy) {
+          Y* y, int64_t ldy) {
   const int64_t K = a.K, scales_per_row = K / a.block;
   const int8_t* high[MR];
   const int8_t* low[MR];
@@ -245,14 +245,14 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_byte
   }
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NB; ++j)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + j * 16), (__m256i)_mm512_cvtneps_pbh(total[m][j]));
+      store16(y + m * ldy + j * 16, total[m][j]);
 }
 
 // Groups [g0, g1) of one weight, all rows. One or two rows take 4 groups a tile (independent accumulators hide
 // the dot product's latency); more rows go in blocks of at most 8 (as even as possible) by one group: the
 // group's chunks come from memory once, for the first block, and from cache for the others.
-template <class Q, int D>
-void groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, c10::BFloat16* y, int64_t ldy) {
+template <class Q, int D, class Y>
+void groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y, int64_t ldy) {
   const int64_t M = a.M, super_blocks = a.K / Q::SB, group_bytes = super_blocks * Q::kChunk;
   auto at = [&](int64_t g) { return w + g * group_bytes; };
   int64_t g = g0;
@@ -265,7 +265,7 @@ void groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, c10:
   const int64_t row_blocks = (M + 7) / 8, block_rows = (M + row_blocks - 1) / row_blocks;
   for (; g < g1; ++g) {
     for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-      c10::BFloat16* ym = y + m0 * ldy + g * 16;
+      Y* ym = y + m0 * ldy + g * 16;
 #define QD_TILE(R) \
   case R: tile<Q, R, 1, D>(a, m0, at(g), group_bytes, super_blocks, ym, ldy); break;
       switch (std::min<int64_t>(block_rows, M - m0)) { QD_TILE(1) QD_TILE(2) QD_TILE(3) QD_TILE(4) QD_TILE(5) QD_TILE(6) QD_TILE(7) QD_TILE(8) }
@@ -294,9 +294,9 @@ struct TileConfig {
 // its tile products all issued before any is finished, so that the tiles' latency overlaps (measured: a
 // sub-block at a time, unpack, multiply, finish, ran no faster than vpdpbusd). One digit: tiles 0/1 A, 2/5 B,
 // 3/4 C, alternating by sub-block; two digits: 0 A high, 1 A low, 2 B, 3 and 4 C of the high and low digits.
-template <class Q, int D, int R>
+template <class Q, int D, int R, class Y>
 __attribute__((target("avx512vnni,amx-tile,amx-int8")))
-void amx_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, c10::BFloat16* y, int64_t ldy) {
+void amx_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y, int64_t ldy) {
   const int64_t M = a.M, K = a.K, super_blocks = K / Q::SB, group_bytes = super_blocks * Q::kChunk;
   constexpr int kUnits = Q::kSubK / 8, kRowsB = Q::kSubK / 4;
   constexpr int kBatch = 8;  // sub-blocks unpacked and multiplied before the first of them is finished
@@ -366,7 +366,7 @@ void amx_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, 
         }
       }
       for (int m = 0; m < rows; ++m)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + m) * ldy + g * 16), (__m256i)_mm512_cvtneps_pbh(total[m]));
+        store16(y + (m0 + m) * ldy + g * 16, total[m]);
     }
   }
   _tile_release();
@@ -419,9 +419,9 @@ bool set_quant_amx(bool on) {
 bool get_quant_amx() { return amx_int8_in_use(); }
 
 // y = x [W_0; W_1; ...]^T as cpu_quant.cpp's linear_quant (which checked the arguments), with `digits` (1 or 2)
-// integer digits an activation. Runs only where quant_vnni_available().
+// integer digits an activation; y float32 if float_output, else bf16. Runs only where quant_vnni_available().
 torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
-                                const std::vector<int64_t>& types, int digits) {
+                                const std::vector<int64_t>& types, int digits, bool float_output) {
   TORCH_CHECK(digits == 1 || digits == 2, "digits must be 1 or 2");
   const int64_t M = x.size(0), K = x.size(1);
   struct Part {
@@ -442,7 +442,7 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
     N += weights[i].size(0) * 16;
     total_groups += weights[i].size(0);
   }
-  auto y = torch::empty({M, N}, x.options());
+  auto y = torch::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const bool tiles = M >= kAmxRows && amx_int8_in_use();
@@ -451,23 +451,26 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
   for (int wide = 0; wide < 2; ++wide)
     for (int nibbles = 0; nibbles < 2; ++nibbles)
       if (needed[wide][nibbles]) quantize(xp, M, rows, K, wide ? 256 : 32, digits, nibbles, acts[2 * wide + nibbles]);
-  auto* yp = y.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, total_groups, 4, [&](int64_t begin, int64_t end) {
-    int64_t base = 0;
-    for (const Part& part : parts) {
-      const int64_t lo = std::max(begin, base), hi = std::min(end, base + part.groups);
-      if (lo < hi)
-        dispatch(part.type, [&](auto q) {
-          using Q = decltype(q);
-          const Activations& a = acts[part.variant];
-          auto* yq = yp + part.column;
-          if (tiles && digits == 1) amx_groups<Q, 1, 16>(a, part.w, lo - base, hi - base, yq, N);
-          else if (tiles) amx_groups<Q, 2, 16>(a, part.w, lo - base, hi - base, yq, N);
-          else if (digits == 1) groups<Q, 1>(a, part.w, lo - base, hi - base, yp + part.column, N);
-          else groups<Q, 2>(a, part.w, lo - base, hi - base, yp + part.column, N);
-        });
-      base += part.groups;
-    }
-  });
+  auto run = [&](auto* yp) {
+    at::parallel_for(0, total_groups, 4, [&](int64_t begin, int64_t end) {
+      int64_t base = 0;
+      for (const Part& part : parts) {
+        const int64_t lo = std::max(begin, base), hi = std::min(end, base + part.groups);
+        if (lo < hi)
+          dispatch(part.type, [&](auto q) {
+            using Q = decltype(q);
+            const Activations& a = acts[part.variant];
+            auto* yq = yp + part.column;
+            if (tiles && digits == 1) amx_groups<Q, 1, 16>(a, part.w, lo - base, hi - base, yq, N);
+            else if (tiles) amx_groups<Q, 2, 16>(a, part.w, lo - base, hi - base, yq, N);
+            else if (digits == 1) groups<Q, 1>(a, part.w, lo - base, hi - base, yq, N);
+            else groups<Q, 2>(a, part.w, lo - base, hi - base, yq, N);
+          });
+        base += part.groups;
+      }
+    });
+  };
+  if (float_output) run(y.data_ptr<float>());
+  else run(y.data_ptr<c10::BFloat16>());
   return y;
 }

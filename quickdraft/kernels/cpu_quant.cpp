@@ -23,7 +23,7 @@
 // widened to bf16.
 //
 // This file is the fallback: where the CPU has AVX512-VNNI, linear_quant runs the integer-dot-product kernel
-// (cpu_quant_vnni.cpp) on the same chunks, its activations quantized to int8 (the default) or two int8 digits.
+// (cpu_quant_vnni.cpp) on the same chunks, its activations quantized to two int8 digits (the default) or one.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -290,7 +290,9 @@ void check_weight(const torch::Tensor& w, int64_t type, int64_t K) {
 // int8 digit an activation, kInt16: two (cpu_quant_vnni.cpp), kBf16: bf16 activations and codes (this file).
 constexpr int kBf16 = 0, kInt8 = 1, kInt16 = 2;
 constexpr const char* kKernelNames[] = {"bf16", "int8", "int16"};
-constexpr int kDefaultKernel = kInt8;  // where the CPU has VNNI (RESULTS.md session 13: speed and quality)
+// The default where the CPU has VNNI: int16, whose quality matched llama.cpp's where int8's did not (RESULTS.md,
+// session 13: next-token agreement and KL against the float32 model); int8 costs 0.6x its compute at 8 rows.
+constexpr int kDefaultKernel = kInt16;
 std::atomic<int> quant_kernel{-1};  // -1: not chosen yet
 
 int kernel_by_name(const std::string& name) {

@@ -324,8 +324,10 @@ def test_quantized_runner_runs_the_blocks_and_releases_the_dense_copies(name):
     prompt = torch.tensor([5, 9, 3, 7, 5, 9, 3, 1, 2])
     logits = runner.forward(runner.new_cache(), prompt, len(prompt))
     exact = HFRunner(reference).forward(SequenceCache(), prompt, len(prompt))
-    # bf16 activations against float32 ones: within 3% of the largest logit
-    assert (logits - exact).abs().max() <= 0.03 * exact.abs().max()
+    # bf16 activations (or the int16 kernel's two digits) against float32 ones: within 3% of the largest logit;
+    # the int8 kernel's one digit an activation (llama.cpp's way): 8% (measured 5.2% on llama16)
+    tolerance = 0.08 if cpu_linear().quant_kernel() == "int8" else 0.03
+    assert (logits - exact).abs().max() <= tolerance * exact.abs().max()
     # verification rows equal single steps bitwise
     cache = runner.new_cache()
     runner.forward(cache, prompt[:4])

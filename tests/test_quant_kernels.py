@@ -1,8 +1,11 @@
-"""GGUF block types on quickdraft's quantized kernels (kernels/quant.py, kernels/cpu_quant.cpp): every block
-type's decoding against the gguf package's reference dequantization, the packed layout read back by the
-kernel's own scalar decoder, the linear kernel against a float64 product, and bitwise row invariance."""
+"""GGUF block types on quickdraft's quantized kernels (kernels/quant.py, kernels/cpu_quant.cpp and
+cpu_quant_vnni.cpp): every block type's decoding against the gguf package's reference dequantization, the packed
+layout read back by the kernel's own scalar decoder, each linear kernel (bf16; int8 and int16 digits an
+activation on integer dot products) against a float64 product, and bitwise row invariance."""
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -15,6 +18,26 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TYPES = sorted(quant.SUPPORTED)
 needs_kernels = pytest.mark.skipif(kernels.cpu_linear() is None, reason="needs quickdraft's AVX512-BF16 kernels")
+# The quantized kernels this CPU runs: bf16 everywhere the kernels build, int8 and int16 where it has AVX512-VNNI
+# (calls of many rows on AMX-INT8 tiles where it has those; "/vpdpbusd": without tiles, as on CPUs without AMX).
+KERNELS = ["bf16", "int8", "int16", "int8/vpdpbusd", "int16/vpdpbusd"]
+
+
+@contextlib.contextmanager
+def kernel(name: str):
+    module = kernels.cpu_linear()
+    scheme, _, only = name.partition("/")
+    try:
+        before = module.set_quant_kernel(scheme)
+    except RuntimeError as error:
+        pytest.skip(str(error))
+    amx_before = module.set_quant_amx(only != "vpdpbusd")
+    try:
+        yield module
+    finally:
+        module.set_quant_kernel(before)
+        module.set_quant_amx(amx_before)
+
 
 
 def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -72,60 +95,137 @@ def test_the_packed_layout_reads_back_bitwise(qtype):
                                       reference[shuffled.numpy()])
 
 
+def integer_reference(x: torch.Tensor, w: torch.Tensor, qtype: int, digits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 product of the dequantized weights w [N, K] with x as the integer kernels quantize it, and the
+    float64 sum of |s v| |w| (the scale of the float32 rounding)."""
+    block = 256 if quant.LAYOUT[qtype][0] == 256 else 32
+    v, s = quant.quantize_activations(x, block, digits)
+    xq = torch.from_numpy(v.astype(np.float64) * np.repeat(s.astype(np.float64), block, axis=1))
+    return xq @ w.double().T, xq.abs() @ w.double().abs().T
+
+
 @needs_kernels
+@pytest.mark.parametrize("name", KERNELS)
 @pytest.mark.parametrize("qtype", TYPES, ids=[quant.NAMES[t] for t in TYPES])
-def test_linear_kernel_against_float64(qtype):
+def test_linear_kernel_against_float64(qtype, name):
     import gguf
 
-    module = kernels.cpu_linear()
     torch.manual_seed(0)
-    for rows, cols in shapes(qtype):
-        raw = random_blocks(qtype, rows, cols, seed=2)
-        w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).reshape(rows, cols))
-        packed = quant.pack(quant.decode(raw, qtype, cols))
-        x = torch.randn(9, cols).bfloat16()
-        y = module.linear_quant(x, [packed.packed], [qtype])[:, :rows].double()
-        exact = x.double() @ w.double().T
-        # bf16 output (relative 2^-9) plus float32 summation over the blocks (relative to sum |x| |w|)
-        bound = exact.abs() * 2.0 ** -8 + (x.double().abs() @ w.double().abs().T) * 1e-6
-        assert ((y - exact).abs() <= bound).all(), (y - exact).abs().max()
+    with kernel(name) as module:
+        for rows, cols in shapes(qtype):
+            raw = random_blocks(qtype, rows, cols, seed=2)
+            w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).reshape(rows, cols))
+            packed = quant.pack(quant.decode(raw, qtype, cols))
+            x = torch.randn(9, cols).bfloat16()
+            x[3] *= 1e-3  # a row of another magnitude (each row has its own scales)
+            y = module.linear_quant(x, [packed.packed], [qtype])[:, :rows].double()
+            if name == "bf16":
+                exact, magnitude = x.double() @ w.double().T, x.double().abs() @ w.double().abs().T
+            else:  # the dequantized weights times the activations as the kernel takes them to integers
+                exact, magnitude = integer_reference(x, w, qtype, 1 if name.startswith("int8") else 2)
+            # bf16 output (relative 2^-9) plus float32 summation over the blocks (relative to sum |x| |w|)
+            bound = exact.abs() * 2.0 ** -8 + magnitude * 1e-6
+            assert ((y - exact).abs() <= bound).all(), (y - exact).abs().max()
 
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", TYPES, ids=[quant.NAMES[t] for t in TYPES])
-def test_rows_are_computed_alike_whatever_the_call(qtype):
-    """A row's outputs are bitwise the same alone, among 2..16 rows, and inside larger calls (the kernel's
+def test_two_digit_activations_are_within_2e_16_of_the_block_max(qtype):
+    """int16 against the exact product of x itself: the activations' error is at most max|x| / 65278 a block."""
+    import gguf
+
+    block = 256 if quant.LAYOUT[qtype][0] == 256 else 32
+    torch.manual_seed(5)
+    with kernel("int16") as module:
+        rows, cols = shapes(qtype)[1]
+        raw = random_blocks(qtype, rows, cols, seed=6)
+        w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).reshape(rows, cols)).double()
+        x = torch.randn(5, cols).bfloat16()
+        y = module.linear_quant(x, [quant.pack(quant.decode(raw, qtype, cols)).packed], [qtype])[:, :rows].double()
+        exact = x.double() @ w.T
+        top = x.double().abs().reshape(5, -1, block).amax(-1)  # [M, blocks]
+        w_blocks = w.abs().reshape(rows, -1, block).sum(-1)  # [N, blocks]
+        quantization = top / 65278 @ w_blocks.T
+        bound = exact.abs() * 2.0 ** -8 + quantization + (x.double().abs() @ w.abs().T) * 1e-6
+        assert ((y - exact).abs() <= bound).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("qtype", TYPES, ids=[quant.NAMES[t] for t in TYPES])
+def test_rows_are_computed_alike_whatever_the_call(qtype, name):
+    """A row's outputs are bitwise the same alone, among 2..64 rows, and inside prefill-sized calls (the kernels'
     few-row and many-row tilings, odd output groups, several threads)."""
-    module = kernels.cpu_linear()
     block = quant.LAYOUT[qtype][0]
     rows, cols = 80, 2 * block  # 5 groups of 16 outputs: a 4-group tile and a remainder
     packed = quant.pack(quant.decode(random_blocks(qtype, rows, cols, seed=3), qtype, cols))
     torch.manual_seed(1)
-    x = torch.randn(40, cols).bfloat16()
+    x = torch.randn(100, cols).bfloat16()
+    x[::7] *= 30  # rows of other magnitudes
     before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        everything = module.linear_quant(x, [packed.packed], [qtype])
-        torch.set_num_threads(1)
-        alone = torch.cat([module.linear_quant(x[i:i + 1].contiguous(), [packed.packed], [qtype]) for i in range(40)])
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(everything, alone)
-    for m in range(2, 17):
-        assert torch.equal(module.linear_quant(x[:m].contiguous(), [packed.packed], [qtype]), alone[:m]), m
-        assert torch.equal(module.linear_quant(x[7:7 + m].contiguous(), [packed.packed], [qtype]), alone[7:7 + m])
+    with kernel(name) as module:
+        try:
+            torch.set_num_threads(2)
+            everything = module.linear_quant(x, [packed.packed], [qtype])
+            torch.set_num_threads(1)
+            alone = torch.cat([module.linear_quant(x[i:i + 1].contiguous(), [packed.packed], [qtype]) for i in range(100)])
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(everything, alone)
+        for m in list(range(2, 17)) + [23, 31, 40, 64]:
+            assert torch.equal(module.linear_quant(x[:m].contiguous(), [packed.packed], [qtype]), alone[:m]), m
+            assert torch.equal(module.linear_quant(x[7:7 + m].contiguous(), [packed.packed], [qtype]), alone[7:7 + m])
 
 
 @needs_kernels
-def test_fused_parts_of_different_types_equal_their_separate_products():
-    module = kernels.cpu_linear()
+@pytest.mark.parametrize("name", KERNELS)
+def test_fused_parts_of_different_types_equal_their_separate_products(name):
     cols = 256
     parts = [quant.pack(quant.decode(random_blocks(t, n, cols, seed=4), t, cols))
              for t, n in ((quant.Q5_0, 32), (quant.Q8_0, 48), (quant.Q4_K, 16), (quant.Q6_K, 21))]
     x = torch.randn(6, cols).bfloat16()
-    fused = module.linear_quant(x, [p.packed for p in parts], [p.qtype for p in parts])
-    separate = torch.cat([module.linear_quant(x, [p.packed], [p.qtype]) for p in parts], dim=1)
+    with kernel(name) as module:
+        fused = module.linear_quant(x, [p.packed for p in parts], [p.qtype for p in parts])
+        separate = torch.cat([module.linear_quant(x, [p.packed], [p.qtype]) for p in parts], dim=1)
+        logits = module.linear_quant(x, [p.packed for p in parts], [p.qtype for p in parts], float_output=True)
     assert torch.equal(fused, separate)
+    # float32 outputs (the logits) are the same sums before their rounding to bf16
+    assert logits.dtype == torch.float32 and torch.equal(logits.bfloat16(), fused) and not torch.equal(logits, fused.float())
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["int8", "int16"])
+@pytest.mark.parametrize("qtype", TYPES, ids=[quant.NAMES[t] for t in TYPES])
+def test_amx_tiles_compute_the_bits_of_the_vpdpbusd_kernel(qtype, name):
+    """Calls of 16 rows or more run on AMX-INT8 tiles where the CPU has them: the same bits as vpdpbusd."""
+    module = kernels.cpu_linear()
+    if not module.set_quant_amx(True) and not module.quant_amx():
+        pytest.skip("this CPU has no AMX-INT8 tiles")
+    block = quant.LAYOUT[qtype][0]
+    packed = quant.pack(quant.decode(random_blocks(qtype, 112, 3 * block, seed=7), qtype, 3 * block))
+    torch.manual_seed(2)
+    x = torch.randn(37, 3 * block).bfloat16()  # 37 rows: tiles of 16, 16 and 5 (zero rows after)
+    with kernel(name):
+        tiles = module.linear_quant(x, [packed.packed], [qtype])
+    with kernel(name + "/vpdpbusd"):
+        vnni = module.linear_quant(x, [packed.packed], [qtype])
+    assert torch.equal(tiles, vnni)
+
+
+@needs_kernels
+def test_the_integer_kernels_run_where_the_cpu_has_vnni():
+    module = kernels.cpu_linear()
+    has_vnni = "avx512_vnni" in open("/proc/cpuinfo").read()
+    with pytest.raises(RuntimeError, match="unknown quantized kernel"):
+        module.set_quant_kernel("int4")
+    if has_vnni:
+        assert module.quant_kernel() in KERNELS
+        with kernel("int16"):
+            assert module.quant_kernel() == "int16"
+    else:
+        assert module.quant_kernel() == "bf16"
+        with pytest.raises(RuntimeError, match="needs AVX512-VNNI"):
+            module.set_quant_kernel("int8")
 
 
 @needs_kernels

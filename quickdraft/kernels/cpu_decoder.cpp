@@ -15,8 +15,12 @@
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool use_amx);
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
 torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
-                           const std::vector<int64_t>& types);
+                           const std::vector<int64_t>& types, bool float_output = false);
 torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& rows, int64_t K);
+std::string get_quant_kernel();
+std::string set_quant_kernel(const std::string& name);
+bool get_quant_amx();
+bool set_quant_amx(bool on);
 torch::Tensor attention(const torch::Tensor& q, int64_t num_q_heads, const torch::Tensor& keys,
                         const torch::Tensor& values, int64_t start, int64_t window, double scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool llama_style);
@@ -177,7 +181,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available, "whether this process may use AMX tiles");
   m.def("linear_int8", &linear_int8, "y = (x w^T) * scales, int8 weights, batch-invariant below 32 rows (AMX from there)");
   m.def("linear_quant", &linear_quant, "y = x [W_0; W_1; ...]^T on GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, "
-        "Q4_K, Q6_K) packed by quickdraft.kernels.quant, batch-invariant");
+        "Q4_K, Q6_K) packed by quickdraft.kernels.quant, batch-invariant; bf16, or float32 if float_output",
+        py::arg("x"), py::arg("weights"), py::arg("types"), py::arg("float_output") = false);
+  m.def("quant_kernel", &get_quant_kernel, "the quantized linear kernel in use: bf16, int8 or int16 (integer digits "
+        "an activation, AVX512-VNNI)");
+  m.def("set_quant_kernel", &set_quant_kernel, "choose the quantized linear kernel (bf16, int8, int16); returns the "
+        "one before");
+  m.def("quant_amx", &get_quant_amx, "whether the integer quantized kernels run calls of many rows on AMX-INT8 tiles");
+  m.def("set_quant_amx", &set_quant_amx, "AMX-INT8 tiles for calls of many rows on (where the CPU has them) or off; "
+        "returns the setting before");
   m.def("dequantize_rows", &dequantize_rows, "rows of a packed quantized weight as float32 (the embedding lookup)");
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, double, double, bool, bool>())

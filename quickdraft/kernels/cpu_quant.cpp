@@ -18,8 +18,12 @@
 // outputs, 32 bf16 lanes (lane 2n + e holds W[n, 2p + e]). 4-bit codes: a 64-byte vector holds four steps,
 // the nibble of step 4g + s in bits 4s..4s+3 of each 16-bit lane, so a shift and one permute (a 32-entry
 // table of bf16 values indexed by the lane's low 5 bits) give the step's weights. 5th bits (Q5_0) and the
-// 2 high bits of Q6_K codes sit in planes of their own and are merged into the index by one ternary-logic.
-// Q8_0 codes are bytes in lane order, widened to bf16.
+// 2 high bits of Q6_K codes sit in planes of their own (in the order cpu_quant.h gives, which suits the integer
+// kernel) and are merged into the index by a shift and one ternary-logic. Q8_0 codes are bytes in lane order,
+// widened to bf16.
+//
+// This file is the fallback: where the CPU has AVX512-VNNI, linear_quant runs the integer-dot-product kernel
+// (cpu_quant_vnni.cpp) on the same chunks, its activations quantized to two int8 digits (the default) or one.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -27,12 +31,19 @@
 #include <immintrin.h>
 
 #include <array>
+#include <atomic>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
-namespace {
+#include "cpu_quant.h"
 
-// GGML's type ids.
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
+// The integer-dot-product kernels (cpu_quant_vnni.cpp): whether this CPU runs them, and y = x W^T on them.
+bool quant_vnni_available();
+torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                                const std::vector<int64_t>& types, int digits, bool float_output);
+
+namespace {
 
 struct Tables {
   alignas(64) uint16_t q4[32];      // i & 15
@@ -56,15 +67,6 @@ const Tables& tables() {
   return t;
 }
 
-inline __m512i load(const void* p) { return _mm512_loadu_si512(p); }
-inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline __m512 u8x16(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m512 i8x16(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
 // The index lanes of step p from a plane of nibbles (four steps per 64-byte vector).
 inline __m512i nibbles(const uint8_t* plane, int p) {
   return _mm512_srli_epi16(load(plane + (p >> 2) * 64), 4 * (p & 3));
@@ -75,86 +77,58 @@ inline __m512i move_bits(__m512i from, int lo, int to) {
   return lo <= to ? _mm512_slli_epi16(from, to - lo) : _mm512_srli_epi16(from, lo - to);
 }
 
-// The per-type parts of the kernel: chunk layout, codes of step p, scale (and min) of sub-block j.
-struct Q4_0 {
-  static constexpr int SB = 32, kChunk = 288, kSubs = 1, kSubK = 32;
-  static constexpr bool kMin = false;
+// The per-type parts of the bf16 kernel: the codes of step p as bf16, and one weight's value.
+struct Q4_0 : Q4_0Layout {
   static __m512bh weights(const uint8_t* c, int p, const __m512i* t) {
     return (__m512bh)_mm512_permutexvar_epi16(nibbles(c, p), t[0]);
   }
-  static __m512 scale(const uint8_t* c, int) { return half16(c + 256); }
-  static __m512 min(const uint8_t*, int) { return _mm512_setzero_ps(); }
   static void load_tables(__m512i* t) { t[0] = load(tables().q4_0); }
   static float value(const uint8_t* c, int n, int k);
 };
 
-struct Q4_1 {
-  static constexpr int SB = 32, kChunk = 320, kSubs = 1, kSubK = 32;
-  static constexpr bool kMin = true;
+struct Q4_1 : Q4_1Layout {  // the min is added: + m * sum(x)
   static __m512bh weights(const uint8_t* c, int p, const __m512i* t) {
     return (__m512bh)_mm512_permutexvar_epi16(nibbles(c, p), t[0]);
   }
-  static __m512 scale(const uint8_t* c, int) { return half16(c + 256); }
-  static __m512 min(const uint8_t* c, int) { return half16(c + 288); }  // added: + m * sum(x)
   static void load_tables(__m512i* t) { t[0] = load(tables().q4); }
   static float value(const uint8_t* c, int n, int k);
 };
 
-struct Q5_0 {
-  static constexpr int SB = 32, kChunk = 352, kSubs = 1, kSubK = 32;
-  static constexpr bool kMin = false;
+struct Q5_0 : Q5_0Layout {
   static __m512bh weights(const uint8_t* c, int p, const __m512i* t) {
-    __m512i high = move_bits(load(c + 256), p, 4);  // bit p of each lane: the 5th bit of step p
+    __m512i high = move_bits(load(c + 256), q5_high_bit(p), 4);  // the 5th bit of step p
     __m512i index = _mm512_ternarylogic_epi32(t[1], high, nibbles(c, p), 0xCA);  // bit 4 from high, rest from lo
     return (__m512bh)_mm512_permutexvar_epi16(index, t[0]);
   }
-  static __m512 scale(const uint8_t* c, int) { return half16(c + 320); }
-  static __m512 min(const uint8_t*, int) { return _mm512_setzero_ps(); }
   static void load_tables(__m512i* t) { t[0] = load(tables().q5_0); t[1] = _mm512_set1_epi16(0x0010); }
   static float value(const uint8_t* c, int n, int k);
 };
 
-struct Q8_0 {
-  static constexpr int SB = 32, kChunk = 544, kSubs = 1, kSubK = 32;
-  static constexpr bool kMin = false;
+struct Q8_0 : Q8_0Layout {
   static __m512bh weights(const uint8_t* c, int p, const __m512i*) {
     __m512i words = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + p * 32)));
     __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(words)));
     __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(words, 1)));
     return _mm512_cvtne2ps_pbh(hi, lo);
   }
-  static __m512 scale(const uint8_t* c, int) { return half16(c + 512); }
-  static __m512 min(const uint8_t*, int) { return _mm512_setzero_ps(); }
   static void load_tables(__m512i*) {}
   static float value(const uint8_t* c, int n, int k);
 };
 
-// Q4_K: 8 sub-blocks of 32 with 6-bit scales and mins: w = d * sc_j * q - dmin * m_j (q in 0..15).
-struct Q4_K {
-  static constexpr int SB = 256, kChunk = 2368, kSubs = 8, kSubK = 32;
-  static constexpr bool kMin = true;
+struct Q4_K : Q4_KLayout {
   static __m512bh weights(const uint8_t* c, int p, const __m512i* t) {
     return (__m512bh)_mm512_permutexvar_epi16(nibbles(c, p), t[0]);
-  }
-  static __m512 scale(const uint8_t* c, int j) { return _mm512_mul_ps(half16(c + 2048), u8x16(c + 2112 + 16 * j)); }
-  static __m512 min(const uint8_t* c, int j) {  // -dmin * m_j
-    return _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(c + 2080), u8x16(c + 2240 + 16 * j)));
   }
   static void load_tables(__m512i* t) { t[0] = load(tables().q4); }
   static float value(const uint8_t* c, int n, int k);
 };
 
-// Q6_K: 16 sub-blocks of 16 with int8 scales: w = d * sc_j * (q - 32) (q in 0..63).
-struct Q6_K {
-  static constexpr int SB = 256, kChunk = 3360, kSubs = 16, kSubK = 16;
-  static constexpr bool kMin = false;
+struct Q6_K : Q6_KLayout {
   static __m512bh weights(const uint8_t* c, int p, const __m512i* t) {
-    __m512i high = move_bits(load(c + 2048 + (p >> 3) * 64), 2 * (p & 7), 4);
+    __m512i high = move_bits(load(c + 2048 + (p >> 3) * 64), q6_high_bits(p & 7), 4);
     __m512i index = _mm512_ternarylogic_epi32(t[2], high, nibbles(c, p), 0xCA);  // bits 4-5 from high
     return (__m512bh)_mm512_permutex2var_epi16(t[0], index, t[1]);
   }
-  static __m512 scale(const uint8_t* c, int j) { return _mm512_mul_ps(half16(c + 3072), i8x16(c + 3104 + 16 * j)); }
-  static __m512 min(const uint8_t*, int) { return _mm512_setzero_ps(); }
   static void load_tables(__m512i* t) {
     t[0] = load(tables().q6_k); t[1] = load(tables().q6_k + 32); t[2] = _mm512_set1_epi16(0x0030);
   }
@@ -175,7 +149,7 @@ float Q4_1::value(const uint8_t* c, int n, int k) {
   return f16(c + 256 + 2 * n) * static_cast<float>(nibble_at(c, n, k)) + f16(c + 288 + 2 * n);
 }
 float Q5_0::value(const uint8_t* c, int n, int k) {
-  const int high = (reinterpret_cast<const uint16_t*>(c + 256)[lane(n, k)] >> (k >> 1)) & 1;
+  const int high = (reinterpret_cast<const uint16_t*>(c + 256)[lane(n, k)] >> q5_high_bit(k >> 1)) & 1;
   return f16(c + 320 + 2 * n) * static_cast<float>((nibble_at(c, n, k) | high << 4) - 16);
 }
 float Q8_0::value(const uint8_t* c, int n, int k) {
@@ -189,7 +163,7 @@ float Q4_K::value(const uint8_t* c, int n, int k) {
 }
 float Q6_K::value(const uint8_t* c, int n, int k) {
   const int j = k / 16, p = k >> 1;
-  const int high = (reinterpret_cast<const uint16_t*>(c + 2048)[(p >> 3) * 32 + lane(n, k)] >> (2 * (p & 7))) & 3;
+  const int high = (reinterpret_cast<const uint16_t*>(c + 2048)[(p >> 3) * 32 + lane(n, k)] >> q6_high_bits(p & 7)) & 3;
   const float d = f16(c + 3072 + 2 * n) * static_cast<float>(reinterpret_cast<const int8_t*>(c)[3104 + 16 * j + n]);
   return d * static_cast<float>((nibble_at(c, n, k) | high << 4) - 32);
 }
@@ -199,9 +173,9 @@ float Q6_K::value(const uint8_t* c, int n, int k) {
 // MR rows of x by NB groups of 16 outputs, over all of K. x: pairs of bf16 as 32-bit words, row stride
 // half_k; xsum: per row, the float32 sum of x over each 32-wide block (types with mins); w: the chunks of
 // the tile's first group (groups `group_bytes` apart); y: the tile's first output of row 0.
-template <class Q, int MR, int NB>
+template <class Q, int MR, int NB, class Y>
 void tile(const int32_t* x, int64_t half_k, const float* xsum, int64_t xsum_stride, const uint8_t* w,
-          int64_t group_bytes, int64_t super_blocks, c10::BFloat16* y, int64_t ldy) {
+          int64_t group_bytes, int64_t super_blocks, Y* y, int64_t ldy) {
   __m512i t[3];
   Q::load_tables(t);
   __m512 total[MR][NB];
@@ -246,15 +220,15 @@ void tile(const int32_t* x, int64_t half_k, const float* xsum, int64_t xsum_stri
   }
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NB; ++j)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + j * 16), (__m256i)_mm512_cvtneps_pbh(total[m][j]));
+      store16(y + m * ldy + j * 16, total[m][j]);
 }
 
 // Groups [g0, g1) of one weight, all M rows. One or two rows take 4 groups a tile (independent accumulators
 // hide the dot product's latency); more rows go in blocks of at most 6, as even as possible, by 2
 // groups (each unpacked weight vector then serves up to 6 rows).
-template <class Q>
+template <class Q, class Y>
 void groups(const int32_t* x, int64_t M, int64_t half_k, const float* xsum, int64_t xsum_stride, const uint8_t* w,
-            int64_t g0, int64_t g1, c10::BFloat16* y, int64_t ldy) {
+            int64_t g0, int64_t g1, Y* y, int64_t ldy) {
   const int64_t super_blocks = 2 * half_k / Q::SB;
   const int64_t group_bytes = super_blocks * Q::kChunk;
   auto at = [&](int64_t g) { return w + g * group_bytes; };
@@ -272,7 +246,7 @@ void groups(const int32_t* x, int64_t M, int64_t half_k, const float* xsum, int6
       const int64_t rows = std::min<int64_t>(block_rows, M - m0);
       const int32_t* xm = x + m0 * half_k;
       const float* sm = xsum + m0 * xsum_stride;
-      c10::BFloat16* ym = y + m0 * ldy + g * 16;
+      Y* ym = y + m0 * ldy + g * 16;
 #define QD_TILE(R)                                                                                         \
   case R:                                                                                                  \
     if (pair) tile<Q, R, 2>(xm, half_k, sm, xsum_stride, at(g), group_bytes, super_blocks, ym, ldy);        \
@@ -284,19 +258,9 @@ void groups(const int32_t* x, int64_t M, int64_t half_k, const float* xsum, int6
   }
 }
 
-// Calls f(Q{}) with the kernel policy of a GGML type: the one place a type id becomes its code.
 template <class F>
 decltype(auto) dispatch(int64_t type, F&& f) {
-  switch (type) {
-    case kQ4_0: return f(Q4_0{});
-    case kQ4_1: return f(Q4_1{});
-    case kQ5_0: return f(Q5_0{});
-    case kQ8_0: return f(Q8_0{});
-    case kQ4_K: return f(Q4_K{});
-    case kQ6_K: return f(Q6_K{});
-    default: TORCH_CHECK(false, "unsupported quantization type ", type, " (supported: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)");
-  }
-  return f(Q4_0{});  // not reached
+  return dispatch_type<Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K>(type, std::forward<F>(f));
 }
 
 struct Part {
@@ -322,13 +286,53 @@ void check_weight(const torch::Tensor& w, int64_t type, int64_t K) {
               t.sb, "), got ", w.sizes());
 }
 
+// Which kernel linear_quant runs (process-wide: it decides the model's numerics, as a dtype does). kInt8: one
+// int8 digit an activation, kInt16: two (cpu_quant_vnni.cpp), kBf16: bf16 activations and codes (this file).
+constexpr int kBf16 = 0, kInt8 = 1, kInt16 = 2;
+constexpr const char* kKernelNames[] = {"bf16", "int8", "int16"};
+// The default where the CPU has VNNI: int16, whose quality matched llama.cpp's where int8's did not (RESULTS.md,
+// session 13: next-token agreement and KL against the float32 model); int8 costs 0.6x its compute at 8 rows.
+constexpr int kDefaultKernel = kInt16;
+std::atomic<int> quant_kernel{-1};  // -1: not chosen yet
+
+int kernel_by_name(const std::string& name) {
+  for (int k = 0; k < 3; ++k)
+    if (name == kKernelNames[k]) return k;
+  TORCH_CHECK(false, "unknown quantized kernel '", name, "' (choose bf16, int8 or int16)");
+  return kBf16;
+}
+
+int quant_kernel_in_use() {
+  int k = quant_kernel.load();
+  if (k < 0) {  // QUICKDRAFT_QUANT_KERNEL chooses; else the default where the CPU can run it
+    const char* env = std::getenv("QUICKDRAFT_QUANT_KERNEL");
+    k = env && *env ? kernel_by_name(env) : (quant_vnni_available() ? kDefaultKernel : kBf16);
+    TORCH_CHECK(k == kBf16 || quant_vnni_available(), "QUICKDRAFT_QUANT_KERNEL=", env,
+                " needs AVX512-VNNI, which this CPU lacks (use bf16)");
+    quant_kernel.store(k);
+  }
+  return k;
+}
+
 }  // namespace
+
+// The quantized kernel linear_quant runs ("bf16", "int8", "int16"); set_quant_kernel(name) chooses another and
+// returns the one before. The integer kernels need AVX512-VNNI.
+std::string get_quant_kernel() { return kKernelNames[quant_kernel_in_use()]; }
+std::string set_quant_kernel(const std::string& name) {
+  const std::string before = get_quant_kernel();
+  const int k = kernel_by_name(name);
+  TORCH_CHECK(k == kBf16 || quant_vnni_available(), "the ", name, " quantized kernel needs AVX512-VNNI, which this CPU lacks");
+  quant_kernel.store(k);
+  return before;
+}
 
 // y = x [W_0; W_1; ...]^T: the outputs of several quantized weights (each its own type) side by side, as a fused
 // q|k|v or gate|up projection whose parts GGUF stores in different types. x: [M, K] bf16; weights[i]: packed
-// [N_i/16, K/SB_i, chunk_i] uint8 of GGML type types[i]. Returns [M, sum N_i] bf16.
+// [N_i/16, K/SB_i, chunk_i] uint8 of GGML type types[i]. Returns [M, sum N_i] bf16, or float32 if float_output
+// (logits: rounded to bf16, near-ties of the largest logits become ties).
 torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
-                           const std::vector<int64_t>& types) {
+                           const std::vector<int64_t>& types, bool float_output) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous 2-d bf16 CPU tensor");
   TORCH_CHECK(!weights.empty() && weights.size() == types.size(), "one type per quantized weight");
@@ -344,7 +348,9 @@ torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tens
     total_groups += weights[i].size(0);
     mins = mins || info(types[i]).mins;
   }
-  auto y = torch::empty({M, N}, x.options());
+  const int kernel = quant_kernel_in_use();
+  if (kernel != kBf16) return linear_quant_vnni(x, weights, types, kernel == kInt8 ? 1 : 2, float_output);
+  auto y = torch::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
   const auto* xp = reinterpret_cast<const int32_t*>(x.data_ptr<c10::BFloat16>());
   const int64_t half_k = K / 2, blocks = K / 32;
@@ -359,19 +365,22 @@ torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tens
         xsum[m * blocks + b] = s;
       }
   }
-  auto* yp = y.data_ptr<c10::BFloat16>();
   // Threads split the groups of all parts (4 at a time: one few-row tile); a range may span parts.
-  at::parallel_for(0, total_groups, 4, [&](int64_t begin, int64_t end) {
-    int64_t base = 0;
-    for (const Part& part : parts) {
-      const int64_t lo = std::max(begin, base), hi = std::min(end, base + part.groups);
-      if (lo < hi)
-        dispatch(part.type, [&](auto q) {
-          groups<decltype(q)>(xp, M, half_k, xsum.data(), blocks, part.w, lo - base, hi - base, yp + part.column, N);
-        });
-      base += part.groups;
-    }
-  });
+  auto run = [&](auto* yp) {
+    at::parallel_for(0, total_groups, 4, [&](int64_t begin, int64_t end) {
+      int64_t base = 0;
+      for (const Part& part : parts) {
+        const int64_t lo = std::max(begin, base), hi = std::min(end, base + part.groups);
+        if (lo < hi)
+          dispatch(part.type, [&](auto q) {
+            groups<decltype(q)>(xp, M, half_k, xsum.data(), blocks, part.w, lo - base, hi - base, yp + part.column, N);
+          });
+        base += part.groups;
+      }
+    });
+  };
+  if (float_output) run(y.data_ptr<float>());
+  else run(y.data_ptr<c10::BFloat16>());
   return y;
 }
 

@@ -4,10 +4,12 @@ GGUF stores a weight [N, K] row by row in blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0) 
 each block its integer codes and scales. `decode` takes the blocks apart into codes [N, K] and the scale
 fields of each block (numpy, exact); `pack` lays them out for the kernel: outputs in groups of 16, each group's
 blocks one contiguous stream of chunks (codes in the dot-product instruction's lane order, 4-bit codes four
-steps to a vector, 5th/6th bits in planes of their own, then the group's scales). Nothing is widened: the
+steps to a vector, 5th/6th bits in planes of their own, then the group's scales; read by the bf16 kernel
+and by the integer-dot-product kernel, cpu_quant_vnni.cpp). Nothing is widened: the
 packed weight is within 3% of the GGUF bytes (Q4_K's 6-bit scales take a byte each).
 
-`quantize_q4_1` makes the 4-bit form of a dense weight (the 4-bit self-draft of a bf16 target).
+`quantize_activations` is the reference of how the integer kernels (cpu_quant_vnni.cpp) take a row of activations
+to integers. `quantize_q4_1` makes the 4-bit form of a dense weight (the 4-bit self-draft of a bf16 target).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-LAYOUT_VERSION = 1  # of the packed layout below (cached packed weights of another version are not read)
+LAYOUT_VERSION = 2  # of the packed layout below (cached packed weights of another version are not read)
 
 Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 2, 3, 6, 8, 12, 14
 NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
@@ -133,6 +135,17 @@ def decode(raw: np.ndarray, qtype: int, cols: int) -> Blocks:
     return Blocks(qtype, codes, {"d": f16(208), "sc": b[..., 192:208].copy().view(np.int8)})
 
 
+def _q5_high_bit(p: int) -> int:
+    """Where step p's 5th bit sits in its 16-bit lane (cpu_quant.h: the bytes an integer dot product reads
+    together have their high bits at one position)."""
+    return 8 * ((p & 3) >> 1) + 2 * (p >> 2) + (p & 1)
+
+
+def _q6_high_bits(p: int) -> int:
+    """Where step p's (of 8 a plane) two high bits sit in its 16-bit lane (cpu_quant.h)."""
+    return 8 * ((p & 3) >> 1) + 2 * (2 * ((p >> 2) & 1) + (p & 1))
+
+
 def _u16_bytes(words: np.ndarray) -> np.ndarray:
     return words.astype("<u2").view(np.uint8).reshape(*words.shape[:-2], -1)
 
@@ -161,11 +174,11 @@ def pack(blocks: Blocks) -> QuantizedWeight:
         nib = (a & 15).astype(np.uint16).reshape(g, nsb, sb // 8, 4, 32)
         parts.append(_u16_bytes(sum(nib[..., s, :] << (4 * s) for s in range(4))))
         if qtype == Q5_0:
-            bits = ((a >> 4) & 1).astype(np.uint16)  # [g, nsb, 16, 32]: bit p of lane t
-            parts.append(_u16_bytes(sum(bits[..., p, :] << p for p in range(16))[..., None, :]))
+            bits = ((a >> 4) & 1).astype(np.uint16)  # [g, nsb, 16, 32]: of step p, lane t at bit _q5_high_bit(p)
+            parts.append(_u16_bytes(sum(bits[..., p, :] << _q5_high_bit(p) for p in range(16))[..., None, :]))
         if qtype == Q6_K:
             two = ((a >> 4) & 3).astype(np.uint16).reshape(g, nsb, sb // 16, 8, 32)
-            parts.append(_u16_bytes(sum(two[..., s, :] << (2 * s) for s in range(8))))
+            parts.append(_u16_bytes(sum(two[..., p, :] << _q6_high_bits(p) for p in range(8))))
     if qtype == Q4_K:
         parts += [per_group(fields["d"]), per_group(fields["dmin"]), per_group(fields["sc"]), per_group(fields["m"])]
     elif qtype == Q6_K:
@@ -177,6 +190,22 @@ def pack(blocks: Blocks) -> QuantizedWeight:
     packed = np.concatenate(parts, axis=-1)
     assert packed.shape == (g, nsb, chunk), (packed.shape, chunk)
     return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(packed)), qtype, n, k)
+
+
+# Largest integer an activation becomes, by digits: one int8 digit (llama.cpp's Q8_K way), or two (v = 256 h + l).
+ACTIVATION_RANGE = {1: 127, 2: 32639}
+
+
+def quantize_activations(x: torch.Tensor, block: int, digits: int) -> tuple[np.ndarray, np.ndarray]:
+    """What the integer kernels compute x [M, K] as: (v int32 [M, K], s float32 [M, K / block]) with x ~ s v per
+    block of `block` inputs of a row: s = max|x| / R, v = round-half-even(x * (R / max|x|)) in float32, R by
+    digits (ACTIVATION_RANGE). Two digits: |x - s v| <= max|x| / 65278."""
+    r = np.float32(ACTIVATION_RANGE[digits])
+    xf = x.float().numpy().reshape(x.shape[0], -1, block)
+    top = np.abs(xf).max(axis=-1)
+    inv = np.where(top > 0, r / np.where(top > 0, top, 1), 0).astype(np.float32)
+    v = np.clip(np.rint(xf * inv[..., None]), -r, r).astype(np.int32)
+    return v.reshape(x.shape), (top / r).astype(np.float32)
 
 
 def quantize_q4_1(weight: torch.Tensor) -> Blocks:

@@ -119,14 +119,16 @@ class Linear:
         tensors = [self.weight, self.bias, self.scales] + [p.packed for p in self.parts or ()]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, float_output: bool = False) -> torch.Tensor:
+        """float_output: quantized weights return float32 (logits; bf16 would make near-ties ties), others as x."""
         if self.parts is not None:
             shape = x.shape
             y = self._kernels.linear_quant(x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(), self._packed,
-                                           self._types)
+                                           self._types, float_output)
             if y.shape[1] != self.out_features:
                 y = y[:, : self.out_features]
-            y = y.reshape(*shape[:-1], -1).to(x.dtype)
+            y = y.reshape(*shape[:-1], -1)
+            y = y if float_output else y.to(x.dtype)
         elif self._kernels is not None and x.dtype == torch.bfloat16:
             x = x.contiguous()
             if self.scales is None:
@@ -571,7 +573,7 @@ class NativeRunner:
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [n, hidden] (after the final norm) -> float32 logits [n, V], softcapped where the
         family does."""
-        logits = self.lm_head(hidden.contiguous()).float()
+        logits = self.lm_head(hidden.contiguous(), float_output=True).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -1,0 +1,111 @@
+// The packed chunk layout of quickdraft's GGUF-quantized weights, shared by the two kernels that read it:
+// cpu_quant.cpp (codes widened to bf16, AVX512-BF16: the fallback) and cpu_quant_vnni.cpp (integer dot products,
+// AVX512-VNNI). quickdraft.kernels.quant packs the chunks; cpu_quant.cpp describes where the codes sit.
+//
+// Everything here has internal linkage (an unnamed namespace in each file that includes it): the two files are
+// compiled for different instruction sets, and the linker must never swap one file's copy of an inline function
+// for the other's.
+
+#pragma once
+
+#include <c10/util/Exception.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace {
+
+// GGML's type ids.
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
+
+inline __m512i load(const void* p) { return _mm512_loadu_si512(p); }
+inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 i8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// 16 outputs stored as bf16 (a layer's activations) or float32 (logits: bf16 would round near-ties into ties).
+inline void store16(c10::BFloat16* y, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
+
+// Per type: SB inputs per chunk (a packed super-block) and the chunk's bytes, its kSubs sub-blocks of kSubK
+// inputs, whether it has mins, and the float32 scale (and min) of sub-block j for the chunk's 16 outputs.
+// A weight is w = scale_j * (q - kZero) + min_j with q its stored unsigned code.
+struct Q4_0Layout {
+  static constexpr int SB = 32, kChunk = 288, kSubs = 1, kSubK = 32, kZero = 8;
+  static constexpr bool kMin = false;
+  static __m512 scale(const uint8_t* c, int) { return half16(c + 256); }
+  static __m512 min(const uint8_t*, int) { return _mm512_setzero_ps(); }
+};
+
+struct Q4_1Layout {
+  static constexpr int SB = 32, kChunk = 320, kSubs = 1, kSubK = 32, kZero = 0;
+  static constexpr bool kMin = true;
+  static __m512 scale(const uint8_t* c, int) { return half16(c + 256); }
+  static __m512 min(const uint8_t* c, int) { return half16(c + 288); }
+};
+
+struct Q5_0Layout {
+  static constexpr int SB = 32, kChunk = 352, kSubs = 1, kSubK = 32, kZero = 16;
+  static constexpr bool kMin = false;
+  static __m512 scale(const uint8_t* c, int) { return half16(c + 320); }
+  static __m512 min(const uint8_t*, int) { return _mm512_setzero_ps(); }
+};
+
+struct Q8_0Layout {  // codes stored as signed bytes; kZero applies to them read as unsigned (code ^ 0x80)
+  static constexpr int SB = 32, kChunk = 544, kSubs = 1, kSubK = 32, kZero = 128;
+  static constexpr bool kMin = false;
+  static __m512 scale(const uint8_t* c, int) { return half16(c + 512); }
+  static __m512 min(const uint8_t*, int) { return _mm512_setzero_ps(); }
+};
+
+// Q4_K: 8 sub-blocks of 32 with 6-bit scales and mins: w = d * sc_j * q - dmin * m_j (q in 0..15).
+struct Q4_KLayout {
+  static constexpr int SB = 256, kChunk = 2368, kSubs = 8, kSubK = 32, kZero = 0;
+  static constexpr bool kMin = true;
+  static __m512 scale(const uint8_t* c, int j) { return _mm512_mul_ps(half16(c + 2048), u8x16(c + 2112 + 16 * j)); }
+  static __m512 min(const uint8_t* c, int j) {  // -dmin * m_j
+    return _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(c + 2080), u8x16(c + 2240 + 16 * j)));
+  }
+};
+
+// Q6_K: 16 sub-blocks of 16 with int8 scales: w = d * sc_j * (q - 32) (q in 0..63).
+struct Q6_KLayout {
+  static constexpr int SB = 256, kChunk = 3360, kSubs = 16, kSubK = 16, kZero = 32;
+  static constexpr bool kMin = false;
+  static __m512 scale(const uint8_t* c, int j) { return _mm512_mul_ps(half16(c + 3072), i8x16(c + 3104 + 16 * j)); }
+  static __m512 min(const uint8_t*, int) { return _mm512_setzero_ps(); }
+};
+
+// Where the high bits of a code sit (Q5_0's 5th bit, Q6_K's 5th and 6th). Step p of a 32-input run covers
+// inputs 2p, 2p+1 (16-bit lane 2n + e of output n); the nibble of step p = 4g + s is in nibble vector g. Its
+// high bits are at bit `high_bit_position(p)` (times the bit width) of the 16-bit lane, in a plane vector per
+// 32 inputs (Q5_0, 1 bit) or per 16 (Q6_K, 2 bits, p taken within the 16). This order puts the high bits of
+// the four bytes an integer dot product reads together at one bit position of each byte (cpu_quant_vnni.cpp).
+constexpr int q5_high_bit(int p) { return 8 * ((p & 3) >> 1) + 2 * (p >> 2) + (p & 1); }
+constexpr int q6_high_bits(int p) { return 8 * ((p & 3) >> 1) + 2 * (2 * ((p >> 2) & 1) + (p & 1)); }
+
+// Calls f(T{}) with the struct of a GGML type among a kernel's six (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, in
+// that order): the one place a type id becomes its code.
+template <class T4_0, class T4_1, class T5_0, class T8_0, class T4_K, class T6_K, class F>
+decltype(auto) dispatch_type(int64_t type, F&& f) {
+  switch (type) {
+    case kQ4_0: return f(T4_0{});
+    case kQ4_1: return f(T4_1{});
+    case kQ5_0: return f(T5_0{});
+    case kQ8_0: return f(T8_0{});
+    case kQ4_K: return f(T4_K{});
+    case kQ6_K: return f(T6_K{});
+    default: TORCH_CHECK(false, "unsupported quantization type ", type, " (supported: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)");
+  }
+  return f(T4_0{});  // not reached
+}
+
+}  // namespace

@@ -1,0 +1,476 @@
+// Linear layers on GGUF-quantized weights with integer dot products: AVX512-VNNI's vpdpbusd (64 multiply-adds of
+// unsigned by signed bytes into 16 int32 lanes, one instruction), for the rows of a decoding, verification or
+// batched step. cpu_quant.cpp's bf16 kernel is the fallback where the CPU lacks VNNI.
+//
+// Why: on these CPUs the bf16 kernel is bound by its dot-product instruction, not by memory (vdpbf16ps does 32
+// multiply-adds in ~2 cycles, plus a table lookup per 32 codes; RESULTS.md session 11). With the activations
+// as integers the stored codes are the multiplicands as they are: 64 multiply-adds an instruction, no lookup.
+//
+// Numerics. Each row of x is quantized on its own, per block of the weight's block size (32; 256 for the
+// K-quants): v = round(x / s), s = max|x| / R, as one int8 digit (R = 127: llama.cpp's Q8_K way) or two
+// (v = 256 h + l, h and l int8, R = 32639: |x - s v| <= max|x| / 65278, about 2^-16 of the block's max). A
+// sub-block's dot product of the codes q with v is exact in int32, the zero point included (sum q v - z sum v);
+// it becomes float32 once a sub-block: y += (float(dot) * scale_j) * s (+ min_j * (s * sum v)). A row's outputs go
+// through the same operations in the same order whatever the other rows, their number, the tiling or the
+// threads: bitwise the same alone or in a batch.
+//
+// Layout: the chunks of cpu_quant.cpp as they are. A nibble vector (64 bytes: 8 inputs of 16 outputs) read as 16
+// int32 lanes holds in lane n the nibbles of output n for inputs 0, 2, 4, 6 (low 16 bits) and 1, 3, 5, 7: masked,
+// its low nibbles are the bytes of inputs (0, 4, 1, 5), its high nibbles those of (2, 6, 3, 7). The activations are
+// stored in that order, so each half is one vpdpbusd against 4 activation bytes broadcast. Q5_0's and Q6_K's high
+// bits sit in their planes at one bit position of each byte (cpu_quant.h): a shift and a bit-select. Q8_0's
+// steps (two inputs of 16 outputs in 32 bytes) become four inputs a lane by one word permute, and unsigned
+// codes (q + 128) by flipping the sign bit.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+
+#include "cpu_quant.h"
+
+namespace {
+
+// --- the activations, quantized per row ----------------------------------------------------------------------
+
+struct Activations {
+  int64_t M = 0, K = 0, block = 0;  // block: inputs per scale
+  int digits = 1;
+  bool nibble_order = true;  // inputs of each 8 in the order (0, 4, 1, 5, 2, 6, 3, 7); else as they come
+  std::vector<int8_t> high, low;   // [M, K]: the digits (low: two digits only)
+  std::vector<float> scale;        // [M, K / block]
+  std::vector<int32_t> sum16;      // [M, K / 16]: sum of v over each 16 inputs
+  std::vector<float> sum32;        // [M, K / 32]: s * sum of v over each 32 (the mins' term)
+};
+
+constexpr float kRange[3] = {0.0f, 127.0f, 32639.0f};
+
+inline __m512 bf16x16(const c10::BFloat16* p) {
+  __m512i words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+}
+
+void quantize_row(const c10::BFloat16* x, Activations& a, int64_t m) {
+  const int64_t K = a.K, B = a.block;
+  const float range = kRange[a.digits];
+  const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  const __m512i lo = _mm512_set1_epi32(-static_cast<int>(range)), hi = _mm512_set1_epi32(static_cast<int>(range));
+  for (int64_t b = 0; b < K / B; ++b) {
+    const c10::BFloat16* xb = x + b * B;
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < B; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16x16(xb + k)));
+    const float top = _mm512_reduce_max_ps(amax);
+    a.scale[m * (K / B) + b] = top / range;
+    const __m512 inv = _mm512_set1_ps(top > 0.0f ? range / top : 0.0f);
+    for (int64_t k = 0; k < B; k += 16) {
+      const int64_t at = m * K + b * B + k;
+      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(bf16x16(xb + k), inv));  // rounds to nearest even
+      v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
+      if (a.nibble_order) v = _mm512_permutexvar_epi32(order, v);
+      a.sum16[at / 16] = _mm512_reduce_add_epi32(v);
+      if (a.digits == 1) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.high[at]), _mm512_cvtepi32_epi8(v));
+      } else {
+        const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(128)), 8);
+        const __m512i l = _mm512_sub_epi32(v, _mm512_slli_epi32(h, 8));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.high[at]), _mm512_cvtepi32_epi8(h));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.low[at]), _mm512_cvtepi32_epi8(l));
+      }
+    }
+  }
+  for (int64_t i = 0; i < K / 32; ++i) {
+    const float s = a.scale[m * (K / B) + (i * 32) / B];
+    a.sum32[m * (K / 32) + i] = s * static_cast<float>(a.sum16[m * (K / 16) + 2 * i] + a.sum16[m * (K / 16) + 2 * i + 1]);
+  }
+}
+
+// rows: M, or more (a multiple of the AMX tile's rows): the rows past M are zeros.
+void quantize(const c10::BFloat16* x, int64_t M, int64_t rows, int64_t K, int64_t block, int digits,
+              bool nibble_order, Activations& a) {
+  a.M = M, a.K = K, a.block = block, a.digits = digits, a.nibble_order = nibble_order;
+  a.high.assign(rows * K, 0);
+  a.low.assign(digits == 2 ? rows * K : 0, 0);
+  a.scale.assign(rows * (K / block), 0.0f);
+  a.sum16.assign(rows * (K / 16), 0);
+  a.sum32.assign(rows * (K / 32), 0.0f);
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) quantize_row(x + m * K, a, m);
+  });
+}
+
+// --- the per-type parts: the two vpdpbusd operands of unit u (8 inputs) of a chunk --------------------------
+
+inline __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline __m512i high_nibbles(__m512i v) { return _mm512_and_si512(_mm512_srli_epi32(v, 4), _mm512_set1_epi8(0x0F)); }
+// bits at `from` of each byte moved to bit `to` (bits elsewhere are garbage: the caller selects).
+inline __m512i shift_bits(__m512i v, int from, int to) {
+  return from <= to ? _mm512_slli_epi32(v, to - from) : _mm512_srli_epi32(v, from - to);
+}
+
+struct Q4_0V : Q4_0Layout {
+  static constexpr bool kNibbles = true;
+  static void codes(const uint8_t* c, int u, __m512i& a, __m512i& b) {
+    const __m512i v = load(c + u * 64);
+    a = low_nibbles(v), b = high_nibbles(v);
+  }
+};
+struct Q4_1V : Q4_1Layout {
+  static constexpr bool kNibbles = true;
+  static void codes(const uint8_t* c, int u, __m512i& a, __m512i& b) { Q4_0V::codes(c, u, a, b); }
+};
+struct Q4_KV : Q4_KLayout {
+  static constexpr bool kNibbles = true;
+  static void codes(const uint8_t* c, int u, __m512i& a, __m512i& b) { Q4_0V::codes(c, u, a, b); }
+};
+
+struct Q5_0V : Q5_0Layout {
+  static constexpr bool kNibbles = true;
+  static void codes(const uint8_t* c, int u, __m512i& a, __m512i& b) {
+    Q4_0V::codes(c, u, a, b);
+    const __m512i plane = load(c + 256), bit4 = _mm512_set1_epi8(0x10);  // bit 2u + half of each byte
+    a = _mm512_ternarylogic_epi32(bit4, shift_bits(plane, 2 * u, 4), a, 0xCA);
+    b = _mm512_ternarylogic_epi32(bit4, shift_bits(plane, 2 * u + 1, 4), b, 0xCA);
+  }
+};
+
+struct Q6_KV : Q6_KLayout {
+  static constexpr bool kNibbles = true;
+  static void codes(const uint8_t* c, int u, __m512i& a, __m512i& b) {
+    Q4_0V::codes(c, u, a, b);
+    const __m512i plane = load(c + 2048 + (u >> 1) * 64), bits45 = _mm512_set1_epi8(0x30);
+    const int at = 4 * (u & 1);  // bits at, at+1 of each byte (the low nibbles' codes), at+2, at+3 (the high's)
+    a = _mm512_ternarylogic_epi32(bits45, shift_bits(plane, at, 4), a, 0xCA);
+    b = _mm512_ternarylogic_epi32(bits45, shift_bits(plane, at + 2, 4), b, 0xCA);
+  }
+};
+
+struct Q8_0V : Q8_0Layout {
+  static constexpr bool kNibbles = false;
+  static void codes(const uint8_t* c, int u, __m512i& a, __m512i& b) {
+    // word n of a 32-byte step holds inputs (2p, 2p+1) of output n: interleave two steps' words
+    const __m512i words = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
+                                            0x00160006, 0x00170007, 0x00180008, 0x00190009, 0x001A000A, 0x001B000B,
+                                            0x001C000C, 0x001D000D, 0x001E000E, 0x001F000F);
+    const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+    a = _mm512_xor_si512(_mm512_permutexvar_epi16(words, load(c + u * 128)), sign);
+    b = _mm512_xor_si512(_mm512_permutexvar_epi16(words, load(c + u * 128 + 64)), sign);
+  }
+};
+
+// --- the kernel -----------------------------------------------------------------------------------------------
+
+// Rows m0 .. m0+MR of the activations by NB groups of 16 outputs, over all of K, with D digits an activation.
+// w: the chunks of the tile's first group (groups `group_bytes` apart); y: the tile's first output of row m0.
+template <class Q, int MR, int NB, int D, class Y>
+void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_bytes, int64_t super_blocks,
+          Y* y, int64_t ldy) {
+  const int64_t K = a.K, scales_per_row = K / a.block;
+  const int8_t* high[MR];
+  const int8_t* low[MR];
+  const float* scale[MR];
+  const int32_t* sum16[MR];
+  const float* sum32[MR];
+  for (int m = 0; m < MR; ++m) {
+    high[m] = a.high.data() + (m0 + m) * K;
+    low[m] = D == 2 ? a.low.data() + (m0 + m) * K : nullptr;
+    scale[m] = a.scale.data() + (m0 + m) * scales_per_row;
+    sum16[m] = a.sum16.data() + (m0 + m) * (K / 16);
+    sum32[m] = a.sum32.data() + (m0 + m) * (K / 32);
+  }
+  __m512 total[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) total[m][j] = _mm512_setzero_ps();
+  constexpr int kUnits = Q::kSubK / 8;
+  // As in cpu_quant.cpp: fetch about 8 KB ahead in every stream (past a group's end lies the next group's start).
+  constexpr int kAhead = (8192 + Q::kChunk - 1) / Q::kChunk;
+  for (int64_t b = 0; b < super_blocks; ++b) {
+    const uint8_t* chunk[NB];
+    for (int j = 0; j < NB; ++j) chunk[j] = w + j * group_bytes + b * Q::kChunk;
+    for (int j = 0; j < NB; ++j)
+      for (int line = 0; line < Q::kChunk; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(chunk[j] + kAhead * Q::kChunk + line), _MM_HINT_T0);
+    const int64_t k0 = b * Q::SB;
+    for (int s = 0; s < Q::kSubs; ++s) {
+      const int64_t ks = k0 + s * Q::kSubK;
+      __m512i acc[MR][NB], acc_low[MR][NB];
+      for (int m = 0; m < MR; ++m) {
+        // the zero point: - z * sum v, as the starting value of the (last) accumulator
+        int32_t sum = sum16[m][ks / 16];
+        if (Q::kSubK == 32) sum += sum16[m][ks / 16 + 1];
+        const __m512i start = _mm512_set1_epi32(-Q::kZero * sum);
+        for (int j = 0; j < NB; ++j) {
+          if constexpr (D == 2) acc[m][j] = _mm512_setzero_si512(), acc_low[m][j] = start;
+          else acc[m][j] = start;
+        }
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < kUnits; ++i) {
+        const int u = s * kUnits + i;
+        __m512i ca[NB], cb[NB];
+        for (int j = 0; j < NB; ++j) Q::codes(chunk[j], u, ca[j], cb[j]);
+        const int64_t k = k0 + u * 8;
+        for (int m = 0; m < MR; ++m) {
+          const __m512i xa = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(high[m] + k));
+          const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(high[m] + k + 4));
+          for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[m][j], ca[j], xa), cb[j], xb);
+          if constexpr (D == 2) {
+            const __m512i la = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(low[m] + k));
+            const __m512i lb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(low[m] + k + 4));
+            for (int j = 0; j < NB; ++j)
+              acc_low[m][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc_low[m][j], ca[j], la), cb[j], lb);
+          }
+        }
+      }
+      for (int j = 0; j < NB; ++j) {
+        const __m512 sc = Q::scale(chunk[j], s);
+        const __m512 mn = Q::min(chunk[j], s);
+        for (int m = 0; m < MR; ++m) {
+          __m512i dot = acc[m][j];
+          if constexpr (D == 2) dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), acc_low[m][j]);
+          const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sc);
+          total[m][j] = _mm512_fmadd_ps(part, _mm512_set1_ps(scale[m][ks / a.block]), total[m][j]);
+          if constexpr (Q::kMin) total[m][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum32[m][ks / 32]), total[m][j]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j)
+      store16(y + m * ldy + j * 16, total[m][j]);
+}
+
+// Groups [g0, g1) of one weight, all rows. One or two rows take 4 groups a tile (independent accumulators hide
+// the dot product's latency); more rows go in blocks of at most 8 (as even as possible) by one group: the
+// group's chunks come from memory once, for the first block, and from cache for the others.
+template <class Q, int D, class Y>
+void groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y, int64_t ldy) {
+  const int64_t M = a.M, super_blocks = a.K / Q::SB, group_bytes = super_blocks * Q::kChunk;
+  auto at = [&](int64_t g) { return w + g * group_bytes; };
+  int64_t g = g0;
+  if (M <= 2) {
+    for (; g + 4 <= g1; g += 4) {
+      if (M == 1) tile<Q, 1, 4, D>(a, 0, at(g), group_bytes, super_blocks, y + g * 16, ldy);
+      else tile<Q, 2, 4, D>(a, 0, at(g), group_bytes, super_blocks, y + g * 16, ldy);
+    }
+  }
+  const int64_t row_blocks = (M + 7) / 8, block_rows = (M + row_blocks - 1) / row_blocks;
+  for (; g < g1; ++g) {
+    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+      Y* ym = y + m0 * ldy + g * 16;
+#define QD_TILE(R) \
+  case R: tile<Q, R, 1, D>(a, m0, at(g), group_bytes, super_blocks, ym, ldy); break;
+      switch (std::min<int64_t>(block_rows, M - m0)) { QD_TILE(1) QD_TILE(2) QD_TILE(3) QD_TILE(4) QD_TILE(5) QD_TILE(6) QD_TILE(7) QD_TILE(8) }
+#undef QD_TILE
+    }
+  }
+}
+
+// --- AMX-INT8 tiles, for many rows -------------------------------------------------------------------------
+// The same integer dot products on tiles. For a sub-block, the B tile is the code vectors as codes() gives them
+// (row 2i + half: 4 inputs of 16 outputs, 64 bytes: exactly AMX's B layout), the A tile the rows' activation
+// digits (the same bytes in the same order), and C[m][n] the exact int32 dot; the float finish is tile()'s, op
+// for op, so each row's outputs are bitwise those of the vpdpbusd kernel (integer sums have no rounding).
+
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Groups [g0, g1), one at a time, rows in tiles of R (the activations are padded with zero rows to a multiple
+// of R). B holds the codes less their zero point (signed bytes, tdpbssd): the same integer as the
+// vpdpbusd kernel's sum q v - z sum v, without the correction. A super-block's codes are unpacked first and
+// its tile products all issued before any is finished, so that the tiles' latency overlaps (measured: a
+// sub-block at a time, unpack, multiply, finish, ran no faster than vpdpbusd). One digit: tiles 0/1 A, 2/5 B,
+// 3/4 C, alternating by sub-block; two digits: 0 A high, 1 A low, 2 B, 3 and 4 C of the high and low digits.
+template <class Q, int D, int R, class Y>
+__attribute__((target("avx512vnni,amx-tile,amx-int8")))
+void amx_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y, int64_t ldy) {
+  const int64_t M = a.M, K = a.K, super_blocks = K / Q::SB, group_bytes = super_blocks * Q::kChunk;
+  constexpr int kUnits = Q::kSubK / 8, kRowsB = Q::kSubK / 4;
+  constexpr int kBatch = 8;  // sub-blocks unpacked and multiplied before the first of them is finished
+  constexpr int kAhead = (8192 + Q::kChunk - 1) / Q::kChunk;
+  const int64_t subs = super_blocks * Q::kSubs;  // sub-block t: chunk t / kSubs, its sub-block t % kSubs
+  alignas(64) uint8_t codes[kBatch][kRowsB * 64];
+  alignas(64) int32_t dots[kBatch][D][R * 16];  // [sub-block][digit][row * 16 + output]
+  TileConfig config;
+  for (int t : {0, 1}) config.rows[t] = R, config.colsb[t] = Q::kSubK;
+  for (int t : {2, 5}) config.rows[t] = kRowsB, config.colsb[t] = 64;
+  for (int t : {3, 4}) config.rows[t] = R, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+  const __m512i zero_point = _mm512_set1_epi8(static_cast<char>(Q::kZero));
+  for (int64_t m0 = 0; m0 < M; m0 += R) {
+    const int rows = static_cast<int>(std::min<int64_t>(R, M - m0));
+    for (int64_t g = g0; g < g1; ++g) {
+      __m512 total[R];
+      for (int m = 0; m < R; ++m) total[m] = _mm512_setzero_ps();
+      for (int64_t t0 = 0; t0 < subs; t0 += kBatch) {
+        const int batch = static_cast<int>(std::min<int64_t>(kBatch, subs - t0));
+        for (int i = 0; i < batch; ++i) {
+          const int64_t t = t0 + i;
+          const uint8_t* chunk = w + g * group_bytes + (t / Q::kSubs) * Q::kChunk;
+          if (t % Q::kSubs == 0)
+            for (int line = 0; line < Q::kChunk; line += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead * Q::kChunk + line), _MM_HINT_T0);
+          for (int u = 0; u < kUnits; ++u) {
+            __m512i ca, cb;
+            Q::codes(chunk, static_cast<int>(t % Q::kSubs) * kUnits + u, ca, cb);
+            _mm512_store_si512(codes[i] + (2 * u) * 64, _mm512_sub_epi8(ca, zero_point));
+            _mm512_store_si512(codes[i] + (2 * u + 1) * 64, _mm512_sub_epi8(cb, zero_point));
+          }
+        }
+        for (int i = 0; i < batch; ++i) {  // tile numbers must be immediates: even and odd ones spelled out
+          const int64_t k = (t0 + i) * Q::kSubK;
+          const int8_t* high = a.high.data() + m0 * K + k;
+          if constexpr (D == 2) {
+            _tile_loadd(2, codes[i], 64);
+            _tile_loadd(0, high, K);
+            _tile_loadd(1, a.low.data() + m0 * K + k, K);
+            _tile_zero(3); _tile_zero(4);
+            _tile_dpbssd(3, 0, 2); _tile_dpbssd(4, 1, 2);
+            _tile_stored(3, dots[i][0], 64); _tile_stored(4, dots[i][D - 1], 64);
+          } else if (i % 2 == 0) {
+            _tile_loadd(2, codes[i], 64); _tile_loadd(0, high, K);
+            _tile_zero(3); _tile_dpbssd(3, 0, 2); _tile_stored(3, dots[i][0], 64);
+          } else {
+            _tile_loadd(5, codes[i], 64); _tile_loadd(1, high, K);
+            _tile_zero(4); _tile_dpbssd(4, 1, 5); _tile_stored(4, dots[i][0], 64);
+          }
+        }
+        for (int i = 0; i < batch; ++i) {
+          const int64_t t = t0 + i, ks = t * Q::kSubK;
+          const uint8_t* chunk = w + g * group_bytes + (t / Q::kSubs) * Q::kChunk;
+          const int s = static_cast<int>(t % Q::kSubs);
+          const __m512 sc = Q::scale(chunk, s);
+          const __m512 mn = Q::min(chunk, s);
+          const float* scale = a.scale.data() + m0 * (K / a.block) + ks / a.block;
+          const float* sum32 = a.sum32.data() + m0 * (K / 32) + ks / 32;
+          for (int m = 0; m < R; ++m) {  // the finish of tile(), op for op
+            __m512i dot = _mm512_load_si512(dots[i][0] + m * 16);
+            if constexpr (D == 2) dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), _mm512_load_si512(dots[i][D - 1] + m * 16));
+            const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sc);
+            total[m] = _mm512_fmadd_ps(part, _mm512_set1_ps(scale[m * (K / a.block)]), total[m]);
+            if constexpr (Q::kMin) total[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum32[m * (K / 32)]), total[m]);
+          }
+        }
+      }
+      for (int m = 0; m < rows; ++m)
+        store16(y + (m0 + m) * ldy + g * 16, total[m]);
+    }
+  }
+  _tile_release();
+}
+
+template <class F>
+decltype(auto) dispatch(int64_t type, F&& f) {
+  return dispatch_type<Q4_0V, Q4_1V, Q5_0V, Q8_0V, Q4_KV, Q6_KV>(type, std::forward<F>(f));
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+bool amx_available();  // cpu_linear.cpp: the OS lets this process use AMX tiles
+
+bool quant_vnni_available() {
+  static const bool ok = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  return ok;
+}
+
+namespace {
+// Where the CPU has AMX-INT8, calls of this many rows run on tiles (the same bits either way). Measured, one
+// thread, weights in cache, ns a weight and row, vpdpbusd -> tiles, int8: at 16 rows Q4_K 0.0056 -> 0.0040,
+// Q6_K 0.0082 -> 0.0067, Q4_1 0.0053 -> 0.0040, Q8_0 0.0065 -> 0.0041; at 8 rows (tiles of 8) no gain (Q4_K
+// 0.0057 both, Q6_K 0.0083 -> 0.0100): the per-row float finish, not the dot products, is the cost there.
+constexpr int64_t kAmxRows = 16;
+// -1: not chosen yet; QUICKDRAFT_QUANT_AMX=0 keeps the vpdpbusd kernel for every call (to test it on AMX CPUs).
+std::atomic<int> use_amx{-1};
+
+bool amx_int8_in_use() {
+  int on = use_amx.load();
+  if (on < 0) {
+    const char* env = std::getenv("QUICKDRAFT_QUANT_AMX");
+    on = quant_vnni_available() && __builtin_cpu_supports("amx-int8") && amx_available() &&
+         !(env && std::string(env) == "0");
+    use_amx.store(on);
+  }
+  return on;
+}
+}  // namespace
+
+// Whether calls of many rows run on AMX-INT8 tiles; set_quant_amx(false) keeps them on vpdpbusd, true asks for
+// tiles (granted where the CPU has them). Returns the setting before.
+bool set_quant_amx(bool on) {
+  const bool before = amx_int8_in_use();
+  use_amx.store(on && quant_vnni_available() && __builtin_cpu_supports("amx-int8") && amx_available());
+  return before;
+}
+bool get_quant_amx() { return amx_int8_in_use(); }
+
+// y = x [W_0; W_1; ...]^T as cpu_quant.cpp's linear_quant (which checked the arguments), with `digits` (1 or 2)
+// integer digits an activation; y float32 if float_output, else bf16. Runs only where quant_vnni_available().
+torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                                const std::vector<int64_t>& types, int digits, bool float_output) {
+  TORCH_CHECK(digits == 1 || digits == 2, "digits must be 1 or 2");
+  const int64_t M = x.size(0), K = x.size(1);
+  struct Part {
+    const uint8_t* w;
+    int64_t type, groups, column, variant;
+  };
+  std::vector<Part> parts;
+  int64_t N = 0, total_groups = 0;
+  // activation variants: [K-quant blocks of 256 or blocks of 32][nibble order or natural]
+  bool needed[2][2] = {};
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const auto [wide, nibbles] = dispatch(types[i], [](auto q) {
+      using Q = decltype(q);
+      return std::pair<int, int>{Q::SB == 256, Q::kNibbles};
+    });
+    needed[wide][nibbles] = true;
+    parts.push_back({weights[i].data_ptr<uint8_t>(), types[i], weights[i].size(0), N, 2 * wide + nibbles});
+    N += weights[i].size(0) * 16;
+    total_groups += weights[i].size(0);
+  }
+  auto y = torch::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
+  if (M == 0) return y;
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const bool tiles = M >= kAmxRows && amx_int8_in_use();
+  const int64_t rows = tiles ? (M + 15) / 16 * 16 : M;  // zero rows past M for the tiles
+  Activations acts[4];
+  for (int wide = 0; wide < 2; ++wide)
+    for (int nibbles = 0; nibbles < 2; ++nibbles)
+      if (needed[wide][nibbles]) quantize(xp, M, rows, K, wide ? 256 : 32, digits, nibbles, acts[2 * wide + nibbles]);
+  auto run = [&](auto* yp) {
+    at::parallel_for(0, total_groups, 4, [&](int64_t begin, int64_t end) {
+      int64_t base = 0;
+      for (const Part& part : parts) {
+        const int64_t lo = std::max(begin, base), hi = std::min(end, base + part.groups);
+        if (lo < hi)
+          dispatch(part.type, [&](auto q) {
+            using Q = decltype(q);
+            const Activations& a = acts[part.variant];
+            auto* yq = yp + part.column;
+            if (tiles && digits == 1) amx_groups<Q, 1, 16>(a, part.w, lo - base, hi - base, yq, N);
+            else if (tiles) amx_groups<Q, 2, 16>(a, part.w, lo - base, hi - base, yq, N);
+            else if (digits == 1) groups<Q, 1>(a, part.w, lo - base, hi - base, yq, N);
+            else groups<Q, 2>(a, part.w, lo - base, hi - base, yq, N);
+          });
+        base += part.groups;
+      }
+    });
+  };
+  if (float_output) run(y.data_ptr<float>());
+  else run(y.data_ptr<c10::BFloat16>());
+  return y;
+}

@@ -398,32 +398,140 @@ def load(source: ModelSource, dtype: torch.dtype, device: torch.device, trust_re
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
-def quantized_weights(source: ModelSource, model, dtype: torch.dtype, device: torch.device):
-    """A GGUF model's quantized matrices in their stored format (models/gguf_weights.py), or None where the
-    runner cannot use them: not a GGUF file, not the CPU, not bf16 activations, no AVX512-BF16 kernels."""
+def load_for_runner(source: ModelSource, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
+                    keep_quantized: bool = True):
+    """(model, tokenizer, quantized weights or None) for a runner. Where the native runner keeps a GGUF
+    file's blocks (keep_quantized, the CPU, bf16, AVX512-BF16 kernels, an architecture it has), the model is
+    read straight from the file (models/gguf_loader: a skeleton whose packed matrices stay on the meta device,
+    resident memory near the file's size); elsewhere the transformers path (load, then quantized_weights)."""
+    if keep_quantized and _keeps_blocks(source, dtype, device):
+        direct = _load_direct(source, dtype)
+        if direct is not None:
+            return direct
+    model, tokenizer = load(source, dtype, device, trust_remote_code)
+    return model, tokenizer, quantized_weights(source, model, dtype, device) if keep_quantized else None
+
+
+def _keeps_blocks(source: ModelSource, dtype: torch.dtype, device: torch.device) -> bool:
     from quickdraft import kernels
 
-    if source.gguf_path is None or device.type != "cpu" or dtype != torch.bfloat16 or kernels.cpu_linear() is None:
-        return None
+    return source.gguf_path is not None and device.type == "cpu" and dtype == torch.bfloat16 and \
+        kernels.cpu_linear() is not None
+
+
+def _packed_cache(source: ModelSource) -> Path | None:
     from quickdraft.kernels import quant
-    from quickdraft.models import gguf_weights
 
     converted = _conversion_dir(source)
     # The file name carries the packed layout's version: a cache written by another layout is not read.
-    cached = converted / f"quantized-v{quant.LAYOUT_VERSION}.safetensors" if converted is not None else None
-    if cached is not None and cached.is_file():
+    return converted / f"quantized-v{quant.LAYOUT_VERSION}.safetensors" if converted is not None else None
+
+
+def _read_packed_cache(cached: Path | None):
+    from quickdraft.models import gguf_weights
+
+    if cached is None or not cached.is_file():
+        return None
+    try:
+        return gguf_weights.load(cached)  # memory-mapped (safetensors): pages read as the forwards touch them
+    except Exception as exc:  # a damaged cache only costs the time to read the file again
+        log.warning("could not read the cached quantized weights %s (%s); reading the GGUF file", cached, exc)
+        return None
+
+
+def _write_packed_cache(weights, cached: Path | None) -> None:
+    from quickdraft.models import gguf_weights
+
+    if cached is None:
+        return
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        gguf_weights.save(weights, cached)
+    except OSError as exc:
+        log.warning("could not cache the quantized weights in %s: %s", cached, exc)
+
+
+def _load_direct(source: ModelSource, dtype: torch.dtype):
+    """(skeleton, tokenizer, packed weights) read straight from the GGUF file, or None where the architecture
+    has no native runner (the caller takes the transformers path)."""
+    from quickdraft.models import gguf_loader
+    from quickdraft.models.native import supports
+
+    path = source.gguf_path
+    try:
+        config = _cached(source, "gguf-config", lambda: gguf_loader.read_config(path), _read_saved_config)
+        model = gguf_loader.skeleton(config, dtype)
+    except (ValueError, KeyError) as exc:  # an architecture transformers reads only its own way
+        log.info("%s: no direct GGUF load (%s); loading through transformers", path, exc)
+        return None
+    reason = supports(model)
+    if reason is not None:
+        log.info("%s: %s; loading through transformers", path, reason)
+        return None
+    # The tokenizer before the weights: converting a 152k vocabulary peaks ~0.5 GB above what it keeps, and
+    # that peak should not sit on top of the packed matrices.
+    tokenizer = _cached(source, "tokenizer", lambda: _load_tokenizer(source.path, source.gguf_file, False),
+                        _read_saved_tokenizer)
+    cached = _packed_cache(source)
+    packed = _read_packed_cache(cached)
+    weights = gguf_loader.fill(model, path, packed)
+    if packed is None:
+        # Kept as made (swapping them for the file just written would hold both until the allocator returns
+        # the freed pages: 1.7x the file's size at the peak, measured); the next load maps the file.
+        _write_packed_cache(weights, cached)
+    return model, tokenizer, weights
+
+
+def _read_saved_config(saved: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(saved)
+
+
+def _read_saved_tokenizer(saved: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(saved)
+
+
+def _cached(source: ModelSource, name: str, make: Callable, read: Callable):
+    """make() once, kept in the conversion cache's folder `name` (save_pretrained) and read() from there later
+    (a GGUF file's config and tokenizer: parsing its metadata takes seconds for a 152k vocabulary)."""
+    converted = _conversion_dir(source)
+    saved = converted / name if converted is not None else None
+    if saved is not None and saved.is_dir():
         try:
-            return gguf_weights.load(cached)
-        except Exception as exc:  # a damaged cache only costs the time to read the file again
-            log.warning("could not read the cached quantized weights %s (%s); reading the GGUF file", cached, exc)
+            return read(saved)
+        except (OSError, ValueError) as exc:
+            log.warning("could not read the cached %s (%s); making it again", saved, exc)
+    made = make()
+    if made is not None and saved is not None:
+        tmp = saved.with_name(f"{name}.tmp{os.getpid()}")
+        try:
+            made.save_pretrained(tmp)
+            if saved.exists():
+                shutil.rmtree(saved)
+            tmp.rename(saved)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.warning("could not cache %s in %s: %s", name, saved, exc)
+    return made
+
+
+def quantized_weights(source: ModelSource, model, dtype: torch.dtype, device: torch.device):
+    """A GGUF model's quantized matrices in their stored format (models/gguf_weights.py), or None where the
+    runner cannot use them: not a GGUF file, not the CPU, not bf16 activations, no AVX512-BF16 kernels."""
+    from quickdraft.models import gguf_weights
+
+    if not _keeps_blocks(source, dtype, device):
+        return None
+    cached = _packed_cache(source)
+    weights = _read_packed_cache(cached)
+    if weights is not None:
+        return weights
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     weights = gguf_weights.read(source.gguf_path, config)
-    if cached is not None:
-        try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            gguf_weights.save(weights, cached)
-        except OSError as exc:
-            log.warning("could not cache the quantized weights in %s: %s", cached, exc)
+    _write_packed_cache(weights, cached)
     return weights
 
 
@@ -440,6 +548,11 @@ def _save_conversion(model, tokenizer, target: Path) -> None:
         model.to(dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        tmp.rename(target)
+        if target.is_dir():  # holding the packed blocks or the tokenizer of a direct load: move the files in
+            for entry in sorted(tmp.iterdir(), key=lambda e: e.name == "config.json"):  # config.json last: it
+                os.replace(entry, target / entry.name)  # marks the conversion complete
+            tmp.rmdir()
+        else:
+            tmp.rename(target)
     except OSError as exc:  # a read-only or full disk only costs speed
         log.warning("could not cache the converted model in %s: %s", target, exc)

@@ -213,9 +213,8 @@ class LLM:
         if isinstance(model, nn.Module):
             return type(model).__name__, model.to(device=self.device, dtype=self.dtype).eval(), tokenizer, None, None
         source = loader.resolve(model)
-        loaded, loaded_tokenizer = loader.load(source, self.dtype, self.device, self.trust_remote_code)
-        quantized = loader.quantized_weights(source, loaded, self.dtype, self.device) \
-            if self.keep_quantized and self.runner_kind != "hf" else None
+        loaded, loaded_tokenizer, quantized = loader.load_for_runner(
+            source, self.dtype, self.device, self.trust_remote_code, self.keep_quantized and self.runner_kind != "hf")
         return model, loaded, tokenizer if tokenizer is not None else loaded_tokenizer, source, quantized
 
     def _build_proposer(self, config: SpeculativeConfig) -> Proposer:

@@ -38,6 +38,8 @@ class Engine:
         self.k = num_speculative_tokens
         self.adaptive_k = adaptive_k and num_speculative_tokens > 0
         self.step_costs = adaptive.StepCosts(num_speculative_tokens)  # one sequence alone, by k
+        # ... per draft kind after the first (Proposer.draft_kind): lookup steps cost no draft forwards
+        self._step_costs_by_kind: dict[str, adaptive.StepCosts] = {}
         self.batch_costs = adaptive.BatchCosts()  # any batch, by rows
         self.eos_token_ids = set(eos_token_ids or ())
         self.max_len = min(max_len or target.max_len, target.max_len)
@@ -102,11 +104,21 @@ class Engine:
         caps = [self._cap_k(seq) for seq in seqs]
         if not self.adaptive_k:
             return caps
+        kinds = [self.proposer.draft_kind(seq) for seq in seqs]
         if len(seqs) == 1:
-            return [adaptive.choose_k(seqs[0].acceptance, self.step_costs, caps[0]) if caps[0] > 0 else 0]
+            return [adaptive.choose_k(seqs[0].acceptance_for(kinds[0]), self.step_costs_of(kinds[0]), caps[0])
+                    if caps[0] > 0 else 0]
         base_rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs)
-        return adaptive.choose_batch_k([seq.acceptance for seq in seqs], caps, base_rows, self.batch_costs,
-                                       self.proposer.runs_a_model)
+        return adaptive.choose_batch_k([seq.acceptance_for(kind) for seq, kind in zip(seqs, kinds)], caps,
+                                       base_rows, self.batch_costs, "model" in kinds)
+
+    def step_costs_of(self, kind: str) -> adaptive.StepCosts:
+        """The one-sequence step costs of drafts of `kind` (the first kind's are self.step_costs)."""
+        costs = self._step_costs_by_kind.get(kind)
+        if costs is None:
+            costs = self._step_costs_by_kind[kind] = \
+                self.step_costs if not self._step_costs_by_kind else adaptive.StepCosts(self.k)
+        return costs
 
     def step_batch(self, seqs: list[Sequence]) -> list[list[int]]:
         """One step of every sequence in `seqs` together: their drafts proposed as one batch, ONE target forward
@@ -116,6 +128,7 @@ class Engine:
         per sequence, and sampling is per sequence. Returns the tokens each sequence committed."""
         t0 = time.perf_counter()
         ks = self._choose_ks(seqs)
+        kinds = [self.proposer.draft_kind(seq) for seq in seqs] if self.adaptive_k else None
         draft_forwards = self.proposer.forwards
         proposals = self.proposer.propose_batch(seqs, ks)
         drafts = [proposal.tokens[:k] for proposal, k in zip(proposals, ks)]
@@ -167,8 +180,8 @@ class Engine:
             self.batch_costs.record(sum(int(feed.numel()) for feed in feeds), t3 - t1, sum(k > 0 for k in ks),
                                     draft_forwards, None if caught_up else t1 - t0)
         committed = []
-        for seq, proposal, draft, k, cache, length, feed, (n, token), logprobs in zip(
-                seqs, proposals, drafts, ks, caches, histories, feeds, n_tokens, step_logprobs):
+        for index, (seq, proposal, draft, k, cache, length, feed, (n, token), logprobs) in enumerate(zip(
+                seqs, proposals, drafts, ks, caches, histories, feeds, n_tokens, step_logprobs)):
             cache.rollback(length + n)  # keep the committed drafts, drop the rejected ones
             metrics = seq.metrics
             metrics.target_forwards += 1
@@ -178,11 +191,11 @@ class Engine:
             metrics.target_time_s += t2 - t1
             metrics.verify_time_s += t3 - t2
             if self.adaptive_k:
-                seq.acceptance.update(k, n)
+                seq.acceptance_for(kinds[index]).update(k, n)
                 # A step like every later one (no prompt, no draft catch-up), alone in its batch: its time is the
                 # cost of drafting k. Batched steps are not timed (their cost depends on the batch).
                 if len(seqs) == 1 and feed.numel() == k + 1 and not proposal.catch_up:
-                    self.step_costs.record(k, time.perf_counter() - t0)
+                    self.step_costs_of(kinds[index]).record(k, time.perf_counter() - t0)
             committed.append(seq.commit(draft[:n].tolist(), k, token, self.eos_token_ids, self.max_len, logprobs))
         return committed
 

@@ -180,7 +180,8 @@ class Sequence:
         self.penalties = sampling.PenaltyHistory(prompt_ids, vocab_size, device) if params.uses_penalties else None
         self.target_cache: SequenceCache = SequenceCache()
         self.draft_state: Any = None
-        self.acceptance = adaptive.AcceptanceStats()
+        self.acceptance = adaptive.AcceptanceStats()  # of the first draft kind it uses (see acceptance_for)
+        self._acceptance_by_kind: dict[str, adaptive.AcceptanceStats] = {}
         self.finish_reason: str | None = None
         self.metrics = RequestMetrics(num_prompt_tokens=len(prompt_ids))
         # Verified with the LOSSY relaxed acceptance (set by the engine; mirrored in metrics.lossy).
@@ -193,6 +194,15 @@ class Sequence:
         self.grammar: GrammarState | None = None
         self._token_ids = list(prompt_ids)
         self._log_noise: dict[int, torch.Tensor] = {}  # output position -> log E [V] (see log_noise)
+
+    def acceptance_for(self, kind: str) -> adaptive.AcceptanceStats:
+        """This sequence's acceptance estimates for drafts of `kind` (Proposer.draft_kind): a draft that takes
+        lookups some steps and a model's tokens others keeps the two apart, as their acceptance differs."""
+        stats = self._acceptance_by_kind.get(kind)
+        if stats is None:
+            stats = self._acceptance_by_kind[kind] = \
+                self.acceptance if not self._acceptance_by_kind else adaptive.AcceptanceStats()
+        return stats
 
     @property
     def token_ids(self) -> list[int]:

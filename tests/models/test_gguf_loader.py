@@ -1,0 +1,247 @@
+"""The direct GGUF loader (models/gguf_loader.py): its header parser against gguf's reader, the slab-wise
+packing against packing whole matrices, and a whole model read straight from a small GGUF file against the
+transformers path on the same file (bitwise: dense tensors, buffers, packed blocks, logits)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from quickdraft.models import gguf_loader, loader
+
+gguf = pytest.importorskip("gguf")
+
+
+def _kernels_or_skip():
+    from quickdraft import kernels
+
+    if kernels.cpu_linear() is None:
+        pytest.skip("the quantized kernels need AVX512-BF16")
+
+
+def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's row order for q/k (transformers' GGUF loader undoes it)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(model, path, arch: str, qtype) -> None:
+    """`model` (a tiny transformers causal LM) as a GGUF file: its matrices in `qtype`, the rest float32, and
+    metadata arrays (a fake vocabulary) for the header parser to skip."""
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]) if getattr(c, "rope_parameters", None)
+                              else 10000.0)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_array("test.words", [f"w{i}" for i in range(300)])
+    writer.add_array("test.numbers", list(range(50)))
+    names = {hf: g for g, hf in get_gguf_hf_weights_map(model, TensorProcessor()).items()}
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name not in names or (hf_name == "lm_head.weight" and c.tie_word_embeddings):
+            continue
+        name, w = names[hf_name], tensor.detach().float().numpy()
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            w = _llama_permute(w, c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads)
+        if w.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _tiny(kind: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    cls = LlamaConfig if kind == "llama" else Qwen2Config
+    config = cls(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=kind == "llama")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(8.0 if p.dim() > 1 else 1.0)
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)  # norms not all ones, biases not all zero
+    return model
+
+
+@pytest.fixture(params=[("llama", "Q8_0"), ("qwen2", "Q4_0")], ids=["llama-q8_0", "qwen2-q4_0"])
+def tiny_gguf(request, tmp_path):
+    arch, qtype = request.param
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_gguf(_tiny(arch), path, arch, gguf.GGMLQuantizationType[qtype])
+    return path
+
+
+def test_header_parser_matches_gguf_reader(tiny_gguf):
+    parsed = gguf_loader._File(tiny_gguf)
+    parsed.close()
+    reader = gguf.GGUFReader(str(tiny_gguf))
+    assert parsed.architecture == tiny_gguf.stem.split("-")[1]
+    expected = [(t.name, t.tensor_type, tuple(int(d) for d in t.shape), int(t.data_offset), int(t.n_bytes))
+                for t in reader.tensors]
+    assert [(t.name, t.tensor_type, t.shape, t.data_offset, t.n_bytes) for t in parsed.tensors] == expected
+
+
+def test_header_parser_refuses_other_files(tmp_path):
+    path = tmp_path / "not.gguf"
+    path.write_bytes(b"GGML" + bytes(40))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        gguf_loader._File(path)
+
+
+@pytest.mark.parametrize("rows", [16, 40, 97])
+def test_packing_by_slabs_is_packing_whole(tmp_path, monkeypatch, rows):
+    """Slabs of whole 16-row groups, packed one after another, give the whole matrix's packed tensor, also with
+    a row permutation (Llama's q/k) and a last group padded."""
+    from quickdraft.kernels import quant
+
+    rng = np.random.default_rng(rows)
+    blocks = rng.integers(0, 256, (rows, 2 * 144), dtype=np.uint8)  # Q4_K blocks of random bytes (512 inputs)
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    file = gguf_loader._File(path)
+    (tensor,) = file.tensors
+    order = rng.permutation(rows)
+
+    class Permuting:
+        def process(self, weights, name):
+            return type("R", (), {"weights": weights[order]})()
+
+    assert tensor.shape == (512, rows)
+    whole = quant.pack(quant.decode(file.tensor_bytes(tensor)[order], tensor.tensor_type, 512))
+    monkeypatch.setattr(gguf_loader, "SLAB_WEIGHTS", 16 * 512)  # 16 rows a slab
+    slabbed = gguf_loader._pack_streamed(file, tensor, Permuting(), tensor.name)
+    file.close()
+    assert (slabbed.rows, slabbed.cols, slabbed.qtype) == (whole.rows, whole.cols, whole.qtype)
+    assert torch.equal(slabbed.packed, whole.packed)
+
+
+def test_direct_load_equals_the_transformers_path(tiny_gguf, tmp_path, monkeypatch):
+    """Bitwise: every dense tensor and buffer of the skeleton, every packed matrix, and the logits of the
+    native runner on both, for the same file; the packed matrices stay on the meta device."""
+    _kernels_or_skip()
+    from quickdraft.models.native import NativeRunner
+
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
+    source = loader.resolve(str(tiny_gguf))
+    bf16, cpu = torch.bfloat16, torch.device("cpu")
+    runners = []
+    for attempt in ("cold", "warm"):  # warm: config and packed matrices from the cache (memory-mapped)
+        model, tokenizer, packed = loader.load_for_runner(source, bf16, cpu)
+        assert packed is not None and all(p.device.type == "meta" for n, p in model.named_parameters()
+                                          if n.endswith("proj.weight"))
+        runners.append(NativeRunner(model, quantized=packed))
+    reference_model, _ = loader.load(source, bf16, cpu)
+    reference_packed = loader.quantized_weights(source, reference_model, bf16, cpu)
+    real = {n: p for n, p in model.named_parameters() if p.device.type != "meta"}
+    expected = dict(reference_model.named_parameters())
+    assert real and all(torch.equal(p, expected[n]) for n, p in real.items())
+    assert all(torch.equal(b, dict(reference_model.named_buffers())[n]) for n, b in model.named_buffers())
+    got, want = packed.named(), gguf_weights_named(source, reference_model)
+    assert got.keys() == want.keys() and all(torch.equal(got[k].packed, want[k].packed) for k in got)
+    assert reference_packed is not None
+    reference = NativeRunner(reference_model, quantized=reference_packed)
+    ids = torch.tensor([3, 17, 200, 5, 9, 101, 64, 2])
+    expected_logits = reference.forward(reference.new_cache(), ids, len(ids))
+    for runner in runners:
+        assert torch.equal(runner.forward(runner.new_cache(), ids, len(ids)), expected_logits)
+
+
+def gguf_weights_named(source, model):
+    """The packed matrices gguf_weights.read makes from the file (the reference the direct path must equal)."""
+    from quickdraft.models import gguf_weights
+    from quickdraft.models.native import _text_config
+
+    return gguf_weights.read(source.gguf_path, _text_config(model)).named()
+
+
+def test_architecture_without_a_native_runner_takes_the_transformers_path(tiny_gguf, monkeypatch, tmp_path):
+    _kernels_or_skip()
+    from quickdraft.models import native
+
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "supports", lambda model: "no runner (test)")
+    source = loader.resolve(str(tiny_gguf))
+    model, _, packed = loader.load_for_runner(source, torch.bfloat16, torch.device("cpu"))
+    assert all(p.device.type != "meta" for p in model.parameters())  # the dequantized transformers model
+
+
+def test_explicit_dtype_or_no_blocks_takes_the_transformers_path(tiny_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
+    source = loader.resolve(str(tiny_gguf))
+    model, _, packed = loader.load_for_runner(source, torch.bfloat16, torch.device("cpu"), keep_quantized=False)
+    assert packed is None and all(p.device.type != "meta" for p in model.parameters())
+    model, _, packed = loader.load_for_runner(source, torch.float32, torch.device("cpu"))
+    assert packed is None and all(p.device.type != "meta" for p in model.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m"])
+def test_packaged_models_load_directly_as_through_transformers(alias, tmp_path, monkeypatch):
+    """On the packaged models: the direct load's dense tensors, buffers and packed blocks are the transformers
+    path's, bitwise, and so are the logits of a prompt and of greedy steps after it."""
+    _kernels_or_skip()
+    from quickdraft.models.native import NativeRunner
+
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
+    source = loader.resolve(alias)
+    bf16, cpu = torch.bfloat16, torch.device("cpu")
+    model, tokenizer, packed = loader.load_for_runner(source, bf16, cpu)
+    reference_model, reference_tokenizer = loader.load(source, bf16, cpu)
+    reference_packed = loader.quantized_weights(source, reference_model, bf16, cpu)
+    expected = dict(reference_model.named_parameters())
+    assert all(torch.equal(p, expected[n]) for n, p in model.named_parameters() if p.device.type != "meta")
+    assert all(torch.equal(b, dict(reference_model.named_buffers())[n]) for n, b in model.named_buffers())
+    got, want = packed.named(), reference_packed.named()
+    assert got.keys() == want.keys() and all(torch.equal(got[k].packed, want[k].packed) for k in got)
+    prompt = "def fibonacci(n):\n    "
+    ids = tokenizer(prompt)["input_ids"]
+    assert ids == reference_tokenizer(prompt)["input_ids"]
+    runners = [NativeRunner(model, quantized=packed), NativeRunner(reference_model, quantized=reference_packed)]
+    caches = [r.new_cache() for r in runners]
+    tokens = [torch.tensor(ids)] * 2
+    for _ in range(8):
+        logits = [r.forward(c, t) for r, c, t in zip(runners, caches, tokens)]
+        assert torch.equal(logits[0], logits[1])
+        tokens = [logits[0].argmax(-1)] * 2
+
+
+@pytest.mark.slow
+def test_the_qwen_pair_greedy_speculative_equals_plain():
+    """The real pair (extra models-large; skipped where its parts are not installed): the 1.5B target with
+    the 0.5B draft gives plain greedy decoding's tokens."""
+    _kernels_or_skip()
+    from quickdraft import LLM, SamplingParams
+    from quickdraft.errors import ModelNotFoundError
+
+    try:
+        loader.resolve("qwen2.5-coder-1.5b"), loader.resolve("qwen2.5-coder-0.5b")
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+    plain = LLM("qwen2.5-coder-1.5b")
+    assert plain.target.quantized_weights is not None
+    pair = plain.with_speculative_config({"method": "draft_model", "model": "qwen2.5-coder-0.5b",
+                                          "num_speculative_tokens": 4})
+    chat = [{"role": "user", "content": "Write a Python function is_prime(n)."}]
+    sp = SamplingParams(temperature=0, max_tokens=32)
+    expected = plain.chat(chat, sp)[0].outputs[0]
+    out = pair.chat(chat, sp)[0]
+    assert out.outputs[0].token_ids == expected.token_ids and out.metrics.accepted_tokens > 0

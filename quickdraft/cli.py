@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -369,12 +370,9 @@ class CompareRounds:
         return all(out.outputs[0].token_ids == want for out in self.plain + self.spec)
 
     @staticmethod
-    def _median(values: list[float]) -> float | None:
-        values = sorted(v for v in values if v is not None)
-        if not values:
-            return None
-        mid = len(values) // 2
-        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    def _median(values: list[float | None]) -> float | None:
+        measured = [v for v in values if v is not None]
+        return statistics.median(measured) if measured else None
 
     def tok_s(self, outputs: list[Any]) -> float | None:
         return self._median([out.metrics.tokens_per_s for out in outputs])

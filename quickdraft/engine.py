@@ -25,6 +25,11 @@ from quickdraft.sequence import Logprob, PositionLogprobs, RequestMetrics, Seque
 __all__ = ["Engine", "RequestMetrics", "Sequence"]
 
 
+def _as_logprobs(entries: list[dict[int, tuple[float, int]]]) -> list[PositionLogprobs]:
+    """sampling.token_logprobs' (log-probability, rank) pairs as the Logprob entries requests keep."""
+    return [{t: Logprob(lp, rank) for t, (lp, rank) in entry.items()} for entry in entries]
+
+
 class Engine:
     """Speculative decoding of sequences with one target runner and one proposer."""
 
@@ -210,8 +215,7 @@ class Engine:
                 start = length - int(feed.numel())  # the feed's first position (0: the whole prompt)
                 entries = sampling.token_logprobs(logits[row: row + extra], feed[1: extra + 1],
                                                   seq.params.prompt_logprobs)
-                seq.prompt_logprobs = [None] * (start + 1) + [
-                    {t: Logprob(lp, rank) for t, (lp, rank) in entry.items()} for entry in entries]
+                seq.prompt_logprobs = [None] * (start + 1) + _as_logprobs(entries)
             keep.extend(range(row + extra, row + count))
             row += count
         return logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
@@ -228,7 +232,7 @@ class Engine:
             if seq.params.logprobs is not None:
                 tokens = torch.cat([draft[:n].to(logits.device), torch.tensor([token], device=logits.device)])
                 entries = sampling.token_logprobs(logits[lo: lo + n + 1], tokens, seq.params.logprobs)
-                out.append([{t: Logprob(lp, rank) for t, (lp, rank) in entry.items()} for entry in entries])
+                out.append(_as_logprobs(entries))
             else:
                 out.append(None)
             lo += int(draft.numel()) + 1

@@ -328,8 +328,7 @@ class Scheduler:
         target token; where it translates into more, the no-progress guard of step() ends the request."""
         grown = params.max_tokens - 1
         histories = [len(prompt_ids), self.engine.proposer.draft_length(prompt_ids)][:len(self._runners)]
-        need = sum(round_up(min(min(length + grown, self.engine.max_len - 1) + self.engine.k + 1, runner.max_len)) * bpt
-                   for length, runner, bpt in zip(histories, self._runners, self._bytes_per_token))
+        need = self._bytes_for([min(length + grown, self.engine.max_len - 1) + self.engine.k + 1 for length in histories])
         if need > self.pool.budget_bytes:
             drafted = f", the draft reading it as {histories[1]} of its own tokens" \
                 if len(histories) > 1 and histories[1] != histories[0] else ""
@@ -340,6 +339,12 @@ class Scheduler:
                 f"{self.pool.total_blocks} ({self.pool.max_tokens} tokens); lower max_tokens, shorten the prompt "
                 "or raise kv_cache_memory")
 
+    def _bytes_for(self, lengths: list[int]) -> int:
+        """The KV bytes of caches of these lengths (one per counted runner, each capped by its context), in
+        whole blocks."""
+        return sum(round_up(min(length, runner.max_len)) * bpt
+                   for length, runner, bpt in zip(lengths, self._runners, self._bytes_per_token))
+
     def _fail_unschedulable(self) -> None:
         """The no-progress guard: nothing is running, so the first waiting sequence had the whole pool (less
         what other schedulers of this LLM hold; kept prefixes are reclaimed) and could still not start. It
@@ -348,8 +353,7 @@ class Scheduler:
         request, index = self.waiting[0]
         seq = request.sequences[index]
         lengths = self._next_step_lengths(seq)
-        need = sum(round_up(min(length, runner.max_len)) * bpt
-                   for length, runner, bpt in zip(lengths, self._runners, self._bytes_per_token))
+        need = self._bytes_for(lengths)
         held_elsewhere = self.pool.used_bytes - self.memory.prefix_bytes() if self.pool is not None else 0
         self.abort_request(request.request_id)
         for other in request.sequences:

@@ -179,7 +179,6 @@ class GrammarState:
         self.vocab_size = vocab_size
         self.consumed: list[int] = []  # the output tokens the matcher has taken
         self._masks: list[torch.Tensor | None] = [None]  # masks[i]: after consumed[:i]
-        self.mask_calls = 0  # masks computed (for the benchmark of their cost)
 
     def _sync(self, tokens: list[int]) -> bool:
         """Move the matcher to the state after `tokens`; False when they leave the grammar (the matcher then
@@ -211,7 +210,6 @@ class GrammarState:
             bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
             refused = np.unpackbits(bits, bitorder="little")[: self.vocab_size] == 0
             cached = self._masks[len(tokens)] = torch.from_numpy(refused)
-            self.mask_calls += 1
         return cached
 
     def stopped(self, tokens: list[int]) -> bool:

@@ -12,7 +12,6 @@ language is prefix-closed), and its logit is -inf otherwise before the request's
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import re
 
@@ -23,11 +22,10 @@ import torch
 from conftest import assert_greedy_equals_plain
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import QuickdraftError
-from quickdraft.sampling import PenaltyHistory, process
 from quickdraft.structured import StructuredOutputs
 from test_cross_vocab import TARGET_PIECES, piece_tokenizer
-from test_law import CELLS, INDEX, N, REQUEST_SEED, T, VOCAB, _config, _LawTest, _models, _sample_rejection, \
-    assert_follows_law
+from test_law import CELLS, INDEX, N, REQUEST_SEED, T, _config, _LawTest, _models, _plain_law, _sample_rejection, \
+    _Tables, assert_follows_law
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REGEX = "(ab?c?)*"
@@ -43,34 +41,15 @@ def _allowed(prefix: tuple) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _constrained_law(setting: str) -> np.ndarray:
-    params = SamplingParams(**SETTINGS[setting])
-    model = _models()[0]
-    law = np.zeros(len(CELLS))
-    logits = {}
-    with torch.inference_mode():
-        for length in range(T):
-            prefixes = list(itertools.product(range(VOCAB), repeat=length))
-            rows = model(input_ids=torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1].double()
-            logits.update(zip(prefixes, rows))
-
-    def probs(prefix: tuple) -> torch.Tensor:
-        history = PenaltyHistory(PROMPT, VOCAB, torch.device("cpu"))
-        history.append(list(prefix))
-        seen, counts = history.rows(torch.empty(0, dtype=torch.long), 1)
-        masked = logits[prefix].masked_fill(~_allowed(prefix), float("-inf"))[None]
-        return process(masked, params, seen, counts)[0]
-
-    def expand(prefix: tuple, weight: float) -> None:
-        if len(prefix) == T:
-            law[INDEX[prefix]] = weight
-            return
-        p = probs(prefix)
-        for token in range(VOCAB):
-            if p[token] > 0:
-                expand(prefix + (token,), weight * p[token].item())
-
-    expand((), 1.0)
-    return law
+    """test_law's plain law over logits tables masked by the regex (-inf outside it, before processing). A
+    prefix outside the language (probability zero, but expanded all the same) keeps its logits: masked, it
+    would allow nothing and give NaN."""
+    tables = _Tables(_models()[0], PROMPT, SamplingParams(**SETTINGS[setting]))
+    for prefix, row in tables.logits.items():
+        allowed = _allowed(prefix)
+        if allowed.any():
+            tables.logits[prefix] = row.masked_fill(~allowed, float("-inf"))
+    return _plain_law(tables)
 
 
 def _llm(method: str) -> LLM:
@@ -125,8 +104,6 @@ def test_the_constrained_law_test_sees_an_unmasked_draft():
     """Power: samples of the unconstrained law (what a verifier that forgot the mask would give) fail."""
     law = _constrained_law("t0.9")
     test = _LawTest(law, N["draft_model"])
-    from test_law import _plain_law, _Tables
-
     free = _plain_law(_Tables(_models()[0], PROMPT, SamplingParams(**SETTINGS["t0.9"])))
     rng = np.random.default_rng(0)
     draws = rng.multinomial(test.n, free, size=20)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.token_bytes import decoder_kinds, token_bytes
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -89,8 +90,6 @@ def _byte_table_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: list[int]):
     A model without an EOS token gets a virtual one past its vocabulary (never allowed by its logits)."""
     import llguidance
 
-    from quickdraft.drafts.cross_vocab import token_bytes
-
     table, _, special = token_bytes(tokenizer)
     names = {token_id: text for text, token_id in special.items()}
     eos = eos_ids or [vocab_size]
@@ -133,8 +132,6 @@ def grammar_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: set[int]):
         raise QuickdraftError("structured outputs need llguidance: pip install llguidance") from None
     if tokenizer is None:
         raise QuickdraftError("structured outputs need the model's tokenizer; this model has none")
-    from quickdraft.drafts.cross_vocab import decoder_kinds
-
     eos = sorted(t for t in eos_ids if t < vocab_size)
     # llguidance reads byte-level BPE and SentencePiece tokenizers itself; a plain one (word-level, a decoder
     # it does not know) it can misread, so those go through quickdraft's own byte table.

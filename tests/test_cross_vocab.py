@@ -12,7 +12,8 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import assert_greedy_equals_plain, tiny_llama
 from quickdraft import LLM, SamplingParams
-from quickdraft.drafts.cross_vocab import CrossVocabDraftProposer, VocabMapping, token_bytes
+from quickdraft.drafts.cross_vocab import CrossVocabDraftProposer, VocabMapping
+from quickdraft.token_bytes import token_bytes
 from quickdraft.errors import QuickdraftError, TokenizerMismatchError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -71,7 +71,8 @@ def test_a_draft_with_another_tokenizer_drafts_over_the_intersection(gemma3, smo
     """Gemma 3 (SentencePiece-style, 262k tokens) as target, SmolLM2 (byte-level BPE, 49k) as draft: the draft
     proposes tokens of the intersection, compared by the bytes they stand for, and greedy output is plain
     greedy output."""
-    from quickdraft.drafts.cross_vocab import CrossVocabDraftProposer, token_bytes
+    from quickdraft.drafts.cross_vocab import CrossVocabDraftProposer
+    from quickdraft.token_bytes import token_bytes
 
     llm = LLM(gemma3.target.model, tokenizer=gemma3.tokenizer, dtype="float32", device="cpu",
               speculative_config={"model": smollm2.target.model, "tokenizer": smollm2.tokenizer,

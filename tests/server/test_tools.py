@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import tiny_llama
 from quickdraft import LLM
-from quickdraft.drafts.cross_vocab import _bytes_to_unicode
+from quickdraft.token_bytes import _bytes_to_unicode
 from quickdraft.server import create_app
 from quickdraft.server.tools import held_back, parse_tool_calls
 from tiny_server import config, sse_events, tiny_llm

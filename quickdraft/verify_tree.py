@@ -177,6 +177,12 @@ def tree_acceptance(tree: TokenTree, target_probs: torch.Tensor, draft_probs: to
     return TreeAcceptance(accept_probs, residuals)
 
 
+def _first_passing(tree: TokenTree, passes: torch.Tensor) -> torch.Tensor:
+    """[..., N] bool: the nodes taken. A child is tried only when every earlier sibling was rejected, so of the
+    siblings whose test passes [..., N] the first in trial order is the one taken."""
+    return passes & ~(tree.earlier_siblings & passes[..., None, :]).any(-1)
+
+
 def tree_rejection_sample(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
                           generator: torch.Generator | None = None) -> TreeVerdict:
     """Lossless tree speculative sampling: the emitted tokens (the accepted path, then next_token) are
@@ -190,9 +196,7 @@ def tree_rejection_sample(tree: TokenTree, target_probs: torch.Tensor, draft_pro
     uniform = torch.rand(*batch, tree.num_nodes, generator=generator, device=target_probs.device,
                          dtype=target_probs.dtype)
     passes = uniform < acceptance.accept_probs  # [..., N]
-    # A child is tried only when every earlier sibling was rejected: the first passing sibling is the one taken.
-    taken = passes & ~(tree.earlier_siblings & passes[..., None, :]).any(-1)
-    accepted, last_row = _deepest_full_path(tree, taken)
+    accepted, last_row = _deepest_full_path(tree, _first_passing(tree, passes))
     index = last_row[..., None, None].expand(*batch, 1, vocab)
     final = acceptance.residuals.gather(-2, index).squeeze(-2)  # [..., V]
     next_token = draw(final.reshape(-1, vocab), generator).reshape(batch)

@@ -366,7 +366,57 @@ def test_sampler_follows_plain_sampling_in_monte_carlo(name, mode):
     assert _chi_square_pvalue(counts, world.plain_law()) > 1e-4
 
 
-def test_monte_carlo_rejects_the_specinfer_rule_for_deterministic_children():
-    world, grandchildren = _world("v3-t0.8topk2-3x(2,1,1)")
-    counts = _sampled_first_two(world, grandchildren, DET, MC_SAMPLES, seed=21, verify_as=IID)
+@pytest.mark.parametrize("name,mode,verify_as", [
+    ("v3-t0.8topk2-3x(2,1,1)", DET, IID),  # SpecInfer's rule with the draft's q for top-k children
+    ("v4-t0.7-draft-topk3-3x(1,2,1)", WOR, IID),  # the i.i.d. rule for children drawn without replacement
+])
+def test_monte_carlo_rejects_the_wrong_rule(name, mode, verify_as):
+    world, grandchildren = _world(name)
+    counts = _sampled_first_two(world, grandchildren, mode, MC_SAMPLES, seed=21, verify_as=verify_as)
     assert _chi_square_pvalue(counts, world.plain_law()) < 1e-4
+
+
+@pytest.mark.parametrize("mode", [IID, WOR, DET], ids=lambda m: m.name)
+def test_monte_carlo_rejects_taking_the_last_passing_sibling(mode, monkeypatch):
+    """A planted walk defect: of the siblings that pass, the last is taken (as if they were tried in reverse)."""
+    monkeypatch.setattr(verify_tree, "_first_passing", lambda tree, passes: passes & ~(
+        tree.earlier_siblings.transpose(0, 1) & passes[..., None, :]).any(-1))
+    world, grandchildren = _world("v3-t0.8topk2-3x(2,1,1)")
+    counts = _sampled_first_two(world, grandchildren, mode, MC_SAMPLES, seed=21)
+    assert _chi_square_pvalue(counts, world.plain_law()) < 1e-4
+
+
+def test_trees_of_one_shape_batched_give_each_trees_verdict():
+    """Leading dimensions: B trees of one shape verified together give what each gives alone."""
+    gen = torch.Generator().manual_seed(8)
+    batch, vocab = 16, 5
+    parents = [-1, -1, 0, 0, 1, 2]
+    tokens = torch.stack([torch.cat([torch.randperm(vocab, generator=gen)[:2], torch.randperm(vocab, generator=gen)[:2],
+                                     torch.randint(vocab, (2,), generator=gen)]) for _ in range(batch)])
+    tree = TokenTree.from_parents(tokens, parents, WOR)
+    logits = torch.randn(batch, 7, vocab, generator=gen, dtype=DTYPE)
+    probs, q = torch.softmax(logits, -1), torch.softmax(torch.randn(batch, 6, vocab, generator=gen, dtype=DTYPE), -1)
+    log_noise = position_noise(99, 0, tree.max_depth + 1, vocab, torch.device("cpu")).log()
+    greedy, seeded = tree_greedy_accept(tree, logits), tree_seeded_accept(tree, probs, log_noise)
+    acceptance = tree_acceptance(tree, probs, q)
+    for b in range(batch):
+        alone = TokenTree.from_parents(tokens[b], parents, WOR)
+        for together, single in ((greedy, tree_greedy_accept(alone, logits[b])),
+                                 (seeded, tree_seeded_accept(alone, probs[b], log_noise))):
+            assert all(torch.equal(x[b], y) for x, y in zip(together, single))
+        single = tree_acceptance(alone, probs[b], q[b])
+        assert torch.allclose(acceptance.accept_probs[b], single.accept_probs, rtol=0, atol=1e-12)
+        assert torch.allclose(acceptance.residuals[b], single.residuals, rtol=0, atol=1e-12)
+
+
+def test_missing_draft_probs_and_wrong_rows_get_clear_errors():
+    tree = TokenTree.from_parents([1, 2], [-1, -1], IID)
+    p = torch.softmax(torch.randn(3, 4, dtype=DTYPE), -1)
+    with pytest.raises(ValueError, match="need draft_probs"):
+        tree_rejection_sample(tree, p, None)
+    with pytest.raises(ValueError, match="needs 3"):
+        tree_greedy_accept(tree, p[:2])
+    with pytest.raises(ValueError, match="one per node"):
+        tree_acceptance(tree, p, p)
+    det = TokenTree.from_parents([1, 2], [-1, -1], DET)
+    assert tree_rejection_sample(det, p, None).next_token.shape == ()

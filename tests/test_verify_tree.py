@@ -9,7 +9,9 @@
   Planted defects (the SpecInfer rule with the draft's q for deterministic children, the i.i.d. rule for
   children drawn without replacement, the residual not renormalised) must move the law.
 - Monte Carlo of the whole sampler (tree_rejection_sample: uniforms, first passing sibling, bonus row) with
-  a fixed seed and a chi-square test at p = 1e-4, which rejects the planted SpecInfer defect at the same N.
+  a fixed seed and a chi-square test at p = 1e-4, which at the same N rejects the wrong rules and a walk that
+  takes the last passing sibling.
+- Trees of one shape batched over leading dimensions give each tree's own verdict.
 """
 
 import itertools
@@ -256,7 +258,8 @@ WORLDS = {
     "v4-t1.3-2x(2,2)": (4, 1, dict(temperature=1.3), dict(temperature=0.6), (2, 2)),
     "v4-t0.7-draft-topk3-3x(1,2,1)": (4, 2, dict(temperature=0.7), dict(temperature=1.0, top_k=3), (1, 2, 1)),
     "v5-t1.0topk4-3x(1,1,1)": (5, 3, dict(temperature=1.0, top_k=4), dict(temperature=1.5), (1, 1, 1)),
-    "v5-t0.9-2x(2,1)": (5, 4, dict(temperature=0.9), dict(temperature=0.9, top_k=4), (2, 1)),
+    "v5-t0.9topp0.85minp0.05-2x(2,1)": (5, 4, dict(temperature=0.9, top_p=0.85, min_p=0.05),
+                                        dict(temperature=0.9, top_k=4), (2, 1)),
 }
 
 

@@ -20,6 +20,7 @@ from quickdraft.drafts import SpeculativeConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.sequence import RequestMetrics
 from quickdraft.tools import tune
+from quickdraft.tools.tune import report as tune_report
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -200,7 +201,7 @@ def test_rotation_order(monkeypatch):
         calls.append((engine, prompt_ids[0]))
         return RequestMetrics(num_prompt_tokens=1, num_generated_tokens=3, wall_time_s=1.0, first_token_time_s=0.5), [0]
 
-    monkeypatch.setattr(tune, "generate_once", fake_generate)
+    monkeypatch.setattr(tune_report, "generate_once", fake_generate)
     totals = tune.run_rotation({"a": "A", "b": "B", "c": "C"}, [[0], [1], [2], [3]], GREEDY)
     assert calls == [("A", 0), ("B", 0), ("C", 0), ("B", 1), ("C", 1), ("A", 1), ("C", 2), ("A", 2), ("B", 2),
                      ("A", 3), ("B", 3), ("C", 3)]
@@ -219,15 +220,15 @@ def test_measured_speedup_is_the_median_of_the_prompts_ratios():
     # Prompt 3's plain run was caught in a burst (10x slower); a prompt that ended at once has no ratio.
     plain = totals("none", [(10, 1.0), (10, 1.0), (10, 10.0), (0, 0.0)])
     draft = totals("d", [(10, 0.5), (10, 0.8), (10, 0.5), (0, 0.0)])
-    measurement = tune._measurement(draft, plain)
+    measurement = tune_report._measurement(draft, plain)
     assert measurement.speedup == pytest.approx(2.0)  # median of 2.0, 1.25, 20.0
     assert measurement.pooled_speedup == pytest.approx((30 / 1.8) / (30 / 12.0))
     assert measurement.tokens == 30 and measurement.seconds == pytest.approx(1.8)
     # Pooled 6.7x against 2.0x by the median prompt: noisy, so decisions take the median.
     assert measurement.noisy and measurement.decision_speedup == pytest.approx(2.0)
     # A quiet pass: decisions take the pooled ratio (what the workload gets, and what --sweep compares).
-    quiet = tune._measurement(totals("d", [(10, 0.5), (10, 0.8), (10, 0.8)]),
-                              totals("none", [(10, 1.0), (10, 1.0), (10, 1.0)]))
+    quiet = tune_report._measurement(totals("d", [(10, 0.5), (10, 0.8), (10, 0.8)]),
+                                     totals("none", [(10, 1.0), (10, 1.0), (10, 1.0)]))
     assert not quiet.noisy and quiet.decision_speedup == pytest.approx(3.0 / 2.1)
     assert quiet.speedup == pytest.approx(1.25)
 
@@ -374,7 +375,7 @@ def test_prompts_that_end_at_once_are_reported():
 
 
 def test_noisy_measurements_are_flagged(monkeypatch):
-    measurement = tune._measurement
+    measurement = tune_report._measurement
 
     def with_a_burst(totals, plain):  # a plain run caught in someone else's work: the pooled ratio triples
         out = measurement(totals, plain)
@@ -382,7 +383,7 @@ def test_noisy_measurements_are_flagged(monkeypatch):
             out.pooled_speedup = 3 * out.speedup
         return out
 
-    monkeypatch.setattr(tune, "_measurement", with_a_burst)
+    monkeypatch.setattr(tune_report, "_measurement", with_a_burst)
     report = tune.tune(LLM(tiny_llama(seed=0, vocab_size=32, layers=2), dtype="float32"), PROMPTS, "ngram", 2, GREEDY)
     assert "note: the measured speedups are noisy (ngram: " in report.render()
 
@@ -489,7 +490,7 @@ def test_cli_checks_input_before_loading(tmp_path, argv, message, monkeypatch):
     def no_loading(args):
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(tune, "load_llm", no_loading)
+    monkeypatch.setattr(tune_report, "load_llm", no_loading)
     args = _tune_args(["--model", "smollm2-135m", *[a.format(tmp=tmp_path) for a in argv]])
     with pytest.raises(QuickdraftError, match=message):
         args.func(args)

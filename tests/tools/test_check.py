@@ -1,4 +1,4 @@
-"""`quickdraft check` (quickdraft/tools/check.py): it passes on the real engine and fails on planted defects.
+"""`quickdraft check` (quickdraft/tools/check/): it passes on the real engine and fails on planted defects.
 
 Models: the 4-token tiny Llamas of tests/test_law.py (target seed 0, draft seed 5, two layers, float32 on CPU),
 K = 3 fixed, prompts as token ids. Every check draws N = 1000 samples of m = 4 tokens over the two prompts

@@ -21,8 +21,9 @@ x alpha_i the chance that the draft at position i is accepted:
     seconds per step C(K) = sum_l P(l) t_target(min(l, K) + 1) + draft seconds per step
                             + E[min(l, K)] x draft seconds per draft token
     speedup(K) = E(K) t_target(1) / C(K)
-(quickdraft/bench/costs.py has the same model with one pooled alpha and a mean draft length.) t_target is the line
-fitted through the measured forward times (fit_forward_costs: robust to a size timed in someone else's burst).
+(quickdraft/speedup_model.py holds the formulas, which the bench shares with one pooled alpha and a mean draft
+length.) t_target is the line fitted through the measured forward times (fit_forward_costs: robust to a size timed
+in someone else's burst).
 Verification and bookkeeping are left out of the model, so the measured speedup is the one the recommendation
 follows: the median over prompts of each prompt's speed over plain decoding's, robust to a run caught in another
 process's burst of work.
@@ -50,10 +51,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 
-from quickdraft.adaptive import monotone_fit
 from quickdraft.bench.costs import measure_target_forward
 from quickdraft.drafts import SpeculativeConfig, parse_draft
 from quickdraft.engine import Engine
@@ -61,6 +60,8 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.params import SamplingParams
 from quickdraft.sampling import derive_key
 from quickdraft.sequence import RequestMetrics
+from quickdraft.speedup_model import (expected_drafts_per_step, expected_tokens_per_step, filled_rates,  # noqa: F401
+                                      fit_forward_costs, forward_seconds, speedup_over_plain, step_seconds)
 from quickdraft.tools.prompts import prompt_token_ids, read_prompts
 
 DEFAULT_DRAFTS = "ngram,suffix"
@@ -197,57 +198,6 @@ def proposal_length_distribution(proposed_per_position: Sequence[int], steps: in
     return [(at_least[l] - at_least[l + 1]) / steps for l in range(k_max + 1)]
 
 
-def filled_rates(rates: Sequence[float | None], length: int) -> list[float]:
-    """The rates with each unmeasured position (None, or beyond the list) given the last measured rate before
-    it (0 where none was measured): a position no step reached carries no evidence of its own, and acceptance
-    by position is roughly flat or rising once a draft has been right."""
-    out, last = [], 0.0
-    for i in range(length):
-        rate = rates[i] if i < len(rates) else None
-        last = last if rate is None else float(rate)
-        out.append(last)
-    return out
-
-
-def expected_tokens_per_step(rates: Sequence[float | None], length_distribution: Sequence[float], k: int) -> float:
-    """E(K) = 1 + sum_{i<K} P(l > i) c_i with c_i = alpha_0 ... alpha_i: the target's token plus each draft
-    position that is proposed (a step proposes min(l, K) tokens) and accepted with every one before it."""
-    alphas = filled_rates(rates, k)
-    tokens, survive = 1.0, 1.0
-    for i in range(k):
-        survive *= alphas[i]
-        tokens += sum(length_distribution[i + 1:]) * survive
-    return tokens
-
-
-def expected_drafts_per_step(length_distribution: Sequence[float], k: int) -> float:
-    """E[min(l, K)]: draft tokens a step proposes at K."""
-    return sum(p * min(l, k) for l, p in enumerate(length_distribution))
-
-
-def fit_forward_costs(forward_s: dict[int, float]) -> dict[int, float]:
-    """The measured forward seconds by rows (each the median of rounds spread over the run: ForwardTimes),
-    made non-decreasing (adaptive.monotone_fit: more rows never cost less). Not a straight line: on CPUs the
-    cost by rows has steps where the kernels' tiles fill (measured on an AVX512 machine without AMX: 17.4 ms at
-    6 rows, 20.7 at 7), and a line through them misplaces the best K."""
-    sizes = sorted(forward_s)
-    return {n: max(1e-9, v) for n, v in zip(sizes, monotone_fit([forward_s[n] for n in sizes]))}
-
-
-def forward_seconds(forward_s: dict[int, float], rows: float) -> float:
-    """The target forward over `rows` new tokens, interpolated between the measured sizes."""
-    sizes = sorted(forward_s)
-    return float(np.interp(rows, sizes, [forward_s[s] for s in sizes]))
-
-
-def step_seconds(length_distribution: Sequence[float], k: int, forward_s: dict[int, float],
-                 draft_s_per_step: float = 0.0, draft_s_per_token: float = 0.0) -> float:
-    """C(K) = sum_l P(l) t_target(min(l, K) + 1) + draft seconds per step + E[min(l, K)] x draft seconds per
-    draft token."""
-    verify = sum(p * forward_seconds(forward_s, min(l, k) + 1) for l, p in enumerate(length_distribution))
-    return verify + draft_s_per_step + expected_drafts_per_step(length_distribution, k) * draft_s_per_token
-
-
 @dataclass
 class Prediction:
     k: int
@@ -261,7 +211,7 @@ def predict(rates: Sequence[float | None], length_distribution: Sequence[float],
     """The predicted speedup at K over plain decoding: E(K) t_target(1) / C(K)."""
     tokens = expected_tokens_per_step(rates, length_distribution, k)
     seconds = step_seconds(length_distribution, k, forward_s, draft_s_per_step, draft_s_per_token)
-    return Prediction(k, tokens, seconds, tokens * forward_seconds(forward_s, 1) / seconds)
+    return Prediction(k, tokens, seconds, speedup_over_plain(tokens, seconds, forward_seconds(forward_s, 1)))
 
 
 # Predictions closer than this are a tie: the analytic model is not that precise.

@@ -19,7 +19,10 @@ from quickdraft.drafts import SpeculativeConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.sequence import RequestMetrics
 from quickdraft.tools import tune
+from quickdraft.tools.tune import cli as tune_cli
+from quickdraft.tools.tune import measure as tune_measure
 from quickdraft.tools.tune import report as tune_report
+from quickdraft.tools.tune import tuning as tune_tuning
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -122,7 +125,7 @@ def test_rotation_order(monkeypatch):
         calls.append((engine, prompt_ids[0]))
         return RequestMetrics(num_prompt_tokens=1, num_generated_tokens=3, wall_time_s=1.0, first_token_time_s=0.5), [0]
 
-    monkeypatch.setattr(tune_report, "generate_once", fake_generate)
+    monkeypatch.setattr(tune_measure, "generate_once", fake_generate)  # what run_rotation calls
     totals = tune.run_rotation({"a": "A", "b": "B", "c": "C"}, [[0], [1], [2], [3]], GREEDY)
     assert calls == [("A", 0), ("B", 0), ("C", 0), ("B", 1), ("C", 1), ("A", 1), ("C", 2), ("A", 2), ("B", 2),
                      ("A", 3), ("B", 3), ("C", 3)]
@@ -304,7 +307,7 @@ def test_noisy_measurements_are_flagged(monkeypatch):
             out.pooled_speedup = 3 * out.speedup
         return out
 
-    monkeypatch.setattr(tune_report, "_measurement", with_a_burst)
+    monkeypatch.setattr(tune_tuning, "_measurement", with_a_burst)  # what tune() calls
     report = tune.tune(LLM(tiny_llama(seed=0, vocab_size=32, layers=2), dtype="float32"), PROMPTS, "ngram", 2, GREEDY)
     assert "note: the measured speedups are noisy (ngram: " in report.render()
 
@@ -411,7 +414,7 @@ def test_cli_checks_input_before_loading(tmp_path, argv, message, monkeypatch):
     def no_loading(args):
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(tune_report, "load_llm", no_loading)
+    monkeypatch.setattr(tune_cli, "load_llm", no_loading)  # what run_tune calls
     args = _tune_args(["--model", "smollm2-135m", *[a.format(tmp=tmp_path) for a in argv]])
     with pytest.raises(QuickdraftError, match=message):
         args.func(args)

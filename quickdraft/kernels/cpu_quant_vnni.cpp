@@ -192,8 +192,11 @@ struct Q8_0V : Q8_0Layout {
 // (so a row's bits do not depend on which kernel ran it: the integer dots are exact either way). Blocks of 32: y +=
 // (float(dot) * d) * s (+ m * (s sum v)), a block at a time. K-quants: a sub-block's dot times its integer scale
 // sc_j goes into the super-block's float sum, which d * s scales once a super-block (s is one per 256 inputs);
-// the mins' terms, -dmin m_j * (s sum v_j), follow then in sub-block order. Measured, that halves the float work
-// a sub-block and row (Q4_K two digits: 6 vector operations -> 4, shared scale work 11 -> 2).
+// the mins' terms, -dmin m_j * (s sum v_j), follow then in sub-block order. Vector operations a sub-block and
+// row: Q4_K two digits 6 -> 4 (shared by the rows: 11 -> 2). Measured (benchmarks/quant_kernels.py, one thread,
+// vpdpbusd, ns a weight and row, before -> after, one run each): two digits Q6_K at 1 row 0.0335 -> 0.0278, at 8
+// rows 0.0140 -> 0.0123; Q4_K at 2 rows 0.0143 -> 0.0124, at 8 0.0098 -> 0.0092; one digit Q6_K at 8 rows 0.0094
+// -> 0.0079. Blocks of 32 are unchanged.
 
 inline __m512i combine(__m512i high, __m512i low) { return _mm512_add_epi32(_mm512_slli_epi32(high, 8), low); }
 
@@ -472,11 +475,14 @@ bool quant_vnni_available() {
 }
 
 namespace {
-// Where the CPU has AMX-INT8, calls of this many rows run on tiles (the same bits either way). Measured, one
-// thread, weights in cache, ns a weight and row, vpdpbusd -> tiles, int8: at 16 rows Q4_K 0.0056 -> 0.0040,
-// Q6_K 0.0082 -> 0.0067, Q4_1 0.0053 -> 0.0040, Q8_0 0.0065 -> 0.0041; at 8 rows (tiles of 8) no gain (Q4_K
-// 0.0057 both, Q6_K 0.0083 -> 0.0100): the per-row float finish, not the dot products, is the cost there.
-constexpr int64_t kAmxRows[3] = {0, 16, 16};  // by digits
+// Where the CPU has AMX-INT8, calls of this many rows run on tiles (the same bits either way). Measured
+// (benchmarks/quant_kernels.py, one thread, weights in cache, ns a weight and row, vpdpbusd -> tiles; one run on
+// a shared machine): two digits at 8 rows Q4_K 0.0092 -> 0.0078, Q6_K 0.0123 -> 0.0118, Q4_0 0.0097 -> 0.0071,
+// Q8_0 0.0109 -> 0.0086, at 4 rows none (Q4_K 0.0107 -> 0.0110); one digit at 8 rows slower (Q4_K 0.0057 ->
+// 0.0067), at 16 faster (0.0057 -> 0.0048). A tile product costs about the same whatever its rows (Q4_K, two
+// digits, one row: 0.043 ns a weight, 57 cycles a sub-block of 32 x 16 outputs): the tiles' own load, product and
+// store latency, which issuing the next step's products before finishing the last did not hide (tried: no gain).
+constexpr int64_t kAmxRows[3] = {0, 16, 8};  // by digits
 // set_quant_amx_rows(n): tiles from n rows instead (tests and benchmarks/quant_kernels.py: every tiling's bits
 // and the crossovers); 0: kAmxRows.
 std::atomic<int64_t> amx_rows_set{0};

@@ -12,12 +12,12 @@ cache updates in Python, and uses scaled_dot_product_attention, whose CPU kernel
 number of queries. On CPUs with AVX512-BF16, a forward here is one call into quickdraft's C++ layer loop
 (kernels/cpu_decoder.cpp) over kernels that compute every token's row the same way whatever the number of
 tokens: a token's logits are bitwise the same whether it is verified alone or among K+1 tokens, and greedy
-speculative output equals plain greedy output (tests/test_native.py checks this). Elsewhere (other CPUs,
+speculative output equals plain greedy output (tests/models/test_native.py checks this). Elsewhere (other CPUs,
 CUDA, float32) the same loop runs in Python on torch ops, attention as two matmuls with a float32 softmax.
 
 What differs between the families is one row of settings each in models/families.py; config features no row
 describes are refused by supports(), and those models run on the transformers forward
-(tests/test_families.py checks every family and feature against transformers).
+(tests/models/test_families.py checks every family and feature against transformers).
 """
 
 from __future__ import annotations

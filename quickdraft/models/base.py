@@ -18,6 +18,8 @@ from quickdraft.cache import SequenceCache
 from quickdraft.errors import QuickdraftError
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from quickdraft.models.gguf_weights import QuantizedWeights
 
 # The weight-only quantizations a runner's quantized(scheme) takes (the native runner's; see models/linear.py).
@@ -32,7 +34,7 @@ class Runner(Protocol):
     name: str
     kind: str  # "native" (quickdraft's own decoder) or "hf" (the transformers forward)
     model: nn.Module  # the transformers model it was built from (a native runner may have released weights of it)
-    text_config: object  # the decoder's transformers config (models/config.get_text_config)
+    text_config: PretrainedConfig  # the decoder's transformers config (models/config.get_text_config)
     vocab_size: int
     max_len: int
     forwards: int  # model calls so far, for metrics

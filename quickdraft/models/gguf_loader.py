@@ -35,7 +35,6 @@ from quickdraft.kernels import quant
 from quickdraft.kernels.quant import QuantizedWeight
 from quickdraft.models import gguf_weights
 from quickdraft.models.config import get_text_config
-from quickdraft.models.families import FAMILIES
 from quickdraft.models.gguf_weights import QuantizedWeights
 
 log = logging.getLogger(__name__)

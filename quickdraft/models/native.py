@@ -40,8 +40,7 @@ from quickdraft.models.families import FAMILIES, NO_ROPE, STATIC_ROPE_TYPES, Fam
 from quickdraft.models.gguf_weights import QuantizedWeights
 from quickdraft.models.linear import BlockLinear, Linear, blocks_fit, dense_linear, fused_bias
 
-# Linear and QUANTIZATION_SCHEMES were defined here before models/linear.py and models/base.py: importable still.
-__all__ = ["NativeRunner", "supports", "SUPPORTED", "Linear", "QUANTIZATION_SCHEMES"]
+# (Linear and QUANTIZATION_SCHEMES, defined here before models/linear.py and models/base.py, import from here still.)
 
 SUPPORTED = set(FAMILIES)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "models"))
 from test_quant_kernels import random_blocks  # noqa: E402  (random but valid GGUF blocks)
 
 from quickdraft import kernels  # noqa: E402

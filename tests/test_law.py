@@ -294,7 +294,8 @@ def _sample_rejection(llm: LLM, n: int, prompt: list[int], sp: SamplingParams):
             steps[key] = steps.get(key, 0) + 1
         for seq in running:
             if seq.finished:  # free its KV memory, as the scheduler does (a suffix draft then caches its text)
-                seq.target_cache, seq.draft_state = engine.target.new_cache(), None
+                seq.target_cache = engine.target.new_cache()
+                engine.proposer.release(seq)
                 finished.append(seq)
         running = [seq for seq in running if not seq.finished]
     return [tuple(seq.output_ids) for seq in finished], [seq.metrics for seq in finished], steps

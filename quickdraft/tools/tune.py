@@ -46,7 +46,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -55,7 +55,7 @@ import torch
 
 from quickdraft.adaptive import monotone_fit
 from quickdraft.bench.costs import measure_target_forward
-from quickdraft.drafts import SpeculativeConfig, parse_draft
+from quickdraft.drafts import SpeculativeConfig, draft_help, draft_label, parse_draft
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.params import SamplingParams
@@ -96,15 +96,8 @@ class Candidate:
 
 
 def _config_label(config: dict[str, Any]) -> str:
-    """A draft config as the command line's --draft names it."""
-    method = config["method"]
-    if method == "layer_skip":
-        return f"layers:{config['num_layers']}"
-    if method == "draft_model":
-        model = config["model"]
-        name = model if isinstance(model, str) else type(model).__name__
-        return f"{name} (int8)" if config.get("quantization") else name
-    return method
+    """A draft config as the command line's --draft names it (the draft registry's label)."""
+    return draft_label(config)
 
 
 def _check_draft_model(model: Any, label: str) -> None:
@@ -140,8 +133,7 @@ def parse_candidates(drafts: str | Sequence[Any], k_max: int) -> list[Candidate]
             config = parse_draft(draft, k_max)
             label = draft
         elif isinstance(draft, SpeculativeConfig):
-            config = {f.name: getattr(draft, f.name) for f in fields(draft)
-                      if f.name == "method" or getattr(draft, f.name) != f.default}
+            config = draft.settings()
             label = None
         elif isinstance(draft, dict):
             config = dict(draft)
@@ -983,8 +975,7 @@ def add_parser(sub) -> None:
                    help="a text file of one prompt per line, or JSONL: Spec-Bench records (first turn) or "
                         "{\"prompt\": ...} / {\"prompt_token_ids\": [...]} records")
     p.add_argument("--drafts", default=DEFAULT_DRAFTS,
-                   help="comma list of drafts as --draft takes them: ngram | suffix | layers:N | quantized | a draft "
-                        f"MODEL (default: {DEFAULT_DRAFTS})")
+                   help=f"comma list of drafts as --draft takes them: {draft_help(DEFAULT_DRAFTS)}")
     p.add_argument("--k-max", type=int, default=DEFAULT_K_MAX, help=f"largest K tried (default {DEFAULT_K_MAX})")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"tokens generated per prompt (default {DEFAULT_MAX_TOKENS})")

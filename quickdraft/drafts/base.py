@@ -71,6 +71,13 @@ class DraftOptions:
         """Refuse what the method cannot run with among the common settings (QuickdraftError); nothing here."""
 
 
+def spelling_argument(draft: str, name: str) -> str | None:
+    """The ARG of a --draft string spelled NAME:ARG ("" for NAME alone); None when it is spelled otherwise."""
+    if draft == name:
+        return ""
+    return draft[len(name) + 1:] if draft.startswith(name + ":") else None
+
+
 @dataclass
 class Proposal:
     """Up to K draft tokens for one sequence.

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quickdraft import sampling
-from quickdraft.drafts.base import Proposal, Proposer
+from quickdraft.drafts.base import Proposal, Proposer, spelling_argument
 from quickdraft.drafts.suffix import SuffixOptions, SuffixProposer, SuffixState, lookup_else_model
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.native import Linear, NativeRunner, supports
@@ -272,15 +272,11 @@ class EagleProposer(Proposer):
 
     @classmethod
     def parse_spelling(cls, draft: str) -> dict | None:
-        if draft == "eagle":
-            return {}
-        if not draft.startswith("eagle:"):
-            return None
-        head = draft.split(":", 1)[1]
-        if not head:
+        head = spelling_argument(draft, "eagle")
+        if head == "" and draft != "eagle":
             raise QuickdraftError(f"--draft {draft}: expected eagle:HEAD_DIR, e.g. eagle:heads/smollm2 (or plain "
                                   "eagle for the shipped head)")
-        return {"model": head}
+        return None if head is None else {"model": head} if head else {}
 
     @classmethod
     def from_config(cls, config, context) -> "EagleProposer":

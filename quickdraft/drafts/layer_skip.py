@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quickdraft.drafts.base import spelling_argument
 from quickdraft.drafts.draft_model import DraftModelProposer, QuantizationOptions
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.runner import Runner
@@ -39,9 +40,9 @@ class LayerSkipProposer(DraftModelProposer):
 
     @classmethod
     def parse_spelling(cls, draft: str) -> dict | None:
-        if not draft.startswith("layers:"):
+        value = spelling_argument(draft, "layers")
+        if value is None or draft == "layers":  # plain "layers" may name a draft model
             return None
-        value = draft.split(":", 1)[1]
         if not value.isdigit():
             raise QuickdraftError(f"--draft {draft}: expected layers:N with N a positive integer, e.g. layers:12")
         return {"num_layers": int(value)}

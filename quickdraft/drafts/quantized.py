@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quickdraft.drafts.base import spelling_argument
 from quickdraft.drafts.draft_model import DraftModelProposer, QuantizationOptions
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.native import QUANTIZATION_SCHEMES
@@ -41,11 +42,9 @@ class QuantizedSelfProposer(DraftModelProposer):
 
     @classmethod
     def parse_spelling(cls, draft: str) -> dict | None:
-        if draft == "quantized":
-            return {}
-        if not draft.startswith("quantized:"):
-            return None
-        scheme = draft.split(":", 1)[1]
+        scheme = spelling_argument(draft, "quantized")
+        if scheme is None or draft == "quantized":
+            return None if scheme is None else {}
         if scheme not in QUANTIZATION_SCHEMES:
             raise QuickdraftError(f"--draft {draft}: expected quantized:SCHEME with SCHEME one of "
                                   f"{', '.join(QUANTIZATION_SCHEMES)}")

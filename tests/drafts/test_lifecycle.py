@@ -35,11 +35,11 @@ def _count_releases(monkeypatch, proposer) -> Counter:
 @pytest.mark.parametrize("method", ["suffix", "ngram", "draft_model", "model_lookup"])
 def test_release_is_called_once_per_finish_abort_and_preemption(monkeypatch, method):
     target = tiny_llama(seed=0)
-    per_block = 16 * LLM(target).kv_cache_estimate()["bytes_per_token"]
     config = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
     if method in ("draft_model", "model_lookup"):
         config["model"] = tiny_llama(seed=1, layers=2)
-        per_block *= 2  # the draft's cache is budgeted too
+    # Five blocks of 16 positions (target and draft model): each request fits alone, four together do not.
+    per_block = 16 * LLM(target, speculative_config=config).kv_cache_estimate()["bytes_per_token"]
     llm = LLM(target, speculative_config=config, kv_cache_memory=5 * per_block)
     calls = _count_releases(monkeypatch, llm.proposer)
     scheduler = llm.new_scheduler(max_num_seqs=4)

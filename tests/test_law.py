@@ -267,6 +267,10 @@ def _config(method: str) -> dict:
     config = {"method": method, "num_speculative_tokens": K, "adaptive": False}
     if method in ("draft_model", "model_lookup"):
         config["model"] = _models()[1]
+        if method == "model_lookup":
+            # Finished completions' text leaves the index at once (Proposer.release caches it otherwise): with all
+            # of their 5-token texts kept, lookups of this 4-token vocabulary crowd out the model's drafts.
+            config["suffix_decoding_max_cached_tokens"] = 0
     elif method == "eagle":
         config.update(model=_eagle_head(), eagle_lookup=False)
     else:
@@ -294,8 +298,7 @@ def _sample_rejection(llm: LLM, n: int, prompt: list[int], sp: SamplingParams):
             steps[key] = steps.get(key, 0) + 1
         for seq in running:
             if seq.finished:  # free its KV memory, as the scheduler does (a suffix draft then caches its text)
-                seq.target_cache = engine.target.new_cache()
-                engine.proposer.release(seq)
+                seq.target_cache, seq.draft_state = engine.target.new_cache(), None
                 finished.append(seq)
         running = [seq for seq in running if not seq.finished]
     return [tuple(seq.output_ids) for seq in finished], [seq.metrics for seq in finished], steps

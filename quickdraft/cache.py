@@ -27,6 +27,12 @@ class SequenceCache:
         return len(self._token_ids) + sum(int(t.numel()) for t in self._pending)
 
     @property
+    def nbytes(self) -> int:
+        """The bytes its tensors take now, as the scheduler measures them; transformers' growing cache is not
+        measured (0), a native runner's preallocated one is (kv_pool.StaticSequenceCache)."""
+        return 0
+
+    @property
     def token_ids(self) -> list[int]:
         if self._pending:
             self._token_ids.extend(torch.cat(self._pending).tolist())

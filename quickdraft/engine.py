@@ -132,6 +132,7 @@ class Engine:
         target's rows are computed alike however many there are (bf16 on quickdraft's kernels), attention is
         per sequence, and sampling is per sequence. Returns the tokens each sequence committed."""
         t0 = time.perf_counter()
+        self.proposer.prepare(seqs)
         ks = self._choose_ks(seqs)
         kinds = [self.proposer.draft_kind(seq) for seq in seqs] if self.adaptive_k else None
         draft_forwards = self.proposer.forwards
@@ -339,4 +340,4 @@ class Engine:
         finally:
             seq.metrics.wall_time_s = time.perf_counter() - start
             seq.target_cache = self.target.new_cache()  # free the KV memory of finished or abandoned requests
-            seq.draft_state = None
+            self.proposer.release(seq)

@@ -116,9 +116,9 @@ class Scheduler:
             return False
         request.aborted = True
         for seq in request.sequences:
-            if not seq.finished:
+            if not seq.finished:  # a finished one was freed when it finished
                 seq.finish_reason = "abort"
-            self._free(seq)
+                self._free(seq)
         self.waiting = deque(item for item in self.waiting if item[0] is not request)
         self.running = [item for item in self.running if item[0] is not request]
         return True
@@ -196,24 +196,25 @@ class Scheduler:
             request, index = self.waiting[0]
             seq = request.sequences[index]
             if not self._load_prefix(seq):
-                self._release(seq)
+                self._release_blocks(seq)
                 break
             rows = self._rows(seq)
             if rows > budget and self.running:  # a prompt larger than the budget still runs, alone
-                self._release(seq)  # a waiting sequence holds no memory (its prefix loads again next time)
+                self._release_blocks(seq)  # a waiting sequence holds no memory (its prefix loads again next time)
                 break
             if self.pool is not None and not self._reserve(seq):
-                self._release(request.sequences[index])  # whatever part it got; it waits, first in line
+                self._release_blocks(request.sequences[index])  # whatever part it got; it waits, first in line
                 break
             self.waiting.popleft()
             self.running.append((request, index))
             budget -= rows
 
     def _free(self, seq: Sequence) -> None:
-        """Release a finished or aborted sequence's KV memory (target and draft)."""
-        self._release(seq)
+        """Release a finished, aborted or failed sequence's KV memory (target and draft) and end its draft state
+        (the proposer's release: a suffix draft's text enters its cache then)."""
+        self._release_blocks(seq)
         seq.target_cache = self.engine.target.new_cache()
-        seq.draft_state = None
+        self.engine.proposer.release(seq)
 
     # --- the KV budget ------------------------------------------------------------------------------------
     @property
@@ -265,15 +266,14 @@ class Scheduler:
         total = 0
         for request, index in self.running:
             seq = request.sequences[index]
-            for cache in (seq.target_cache, seq.draft_state):
-                total += int(getattr(cache, "nbytes", 0) or 0)
+            total += seq.target_cache.nbytes + (seq.draft_state.nbytes if seq.draft_state is not None else 0)
         return total
 
     def _caches(self, seq: Sequence) -> list[tuple[object, object, int]]:
         """(cache, runner, bytes per token) of each cache of `seq` that the budget counts."""
         caches = [(seq.target_cache, self._runners[0], self._bytes_per_token[0])]
-        if len(self._runners) > 1 and seq.draft_state is not None:
-            caches.append((seq.draft_state, self._runners[1], self._bytes_per_token[1]))
+        if len(self._runners) > 1 and seq.draft_state is not None:  # the draft model's cache (draft_runner's)
+            caches.append((seq.draft_state.kv_cache, self._runners[1], self._bytes_per_token[1]))
         return caches
 
     def _next_step_lengths(self, seq: Sequence) -> list[int]:
@@ -287,10 +287,11 @@ class Scheduler:
         return all(self.pool.ensure(cache, length, bpt, runner.max_len)
                    for (cache, runner, bpt), length in zip(self._caches(seq), self._next_step_lengths(seq)))
 
-    def _release(self, seq: Sequence) -> None:
+    def _release_blocks(self, seq: Sequence) -> None:
+        """Give the pool back the blocks of seq's caches (target and draft model)."""
         if self.pool is None:
             return
-        for cache in (seq.target_cache, seq.draft_state):
+        for cache in (seq.target_cache, seq.draft_state.kv_cache if seq.draft_state is not None else None):
             if cache is None:
                 continue
             if isinstance(cache, StaticSequenceCache):
@@ -314,9 +315,9 @@ class Scheduler:
         whole history (prompt and output) as a prompt when it is admitted again."""
         request, index = item
         seq = request.sequences[index]
-        self._release(seq)
+        self._release_blocks(seq)
         seq.target_cache = self.engine.target.new_cache()
-        seq.draft_state = self.engine.proposer.new_state(seq)
+        self.engine.proposer.release(seq, preempted=True)  # a fresh draft state; a suffix doc goes on
         self.waiting.appendleft(item)
         self.num_preemptions += 1
 

@@ -149,6 +149,20 @@ class RequestMetrics:
         return out
 
 
+class DraftState:
+    """What a draft keeps for one sequence (Sequence.draft_state), made by its proposer's `new_state` and ended
+    by its `release` (drafts/base.py): a draft model's KV cache, a lookup's handle on its index, ...
+
+    kv_cache: the draft model's KV cache of this sequence that the KV budget counts and prefix caching may
+    share (None: the draft keeps none the budget counts). nbytes: the bytes the state's tensors take now."""
+
+    kv_cache: SequenceCache | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
 @dataclass
 class Logprob:
     """A token's log-probability under the target (vLLM's name and fields): rank 1 is the most likely token;
@@ -179,7 +193,7 @@ class Sequence:
         self.device = device
         self.penalties = sampling.PenaltyHistory(prompt_ids, vocab_size, device) if params.uses_penalties else None
         self.target_cache: SequenceCache = SequenceCache()
-        self.draft_state: Any = None
+        self.draft_state: DraftState | None = None  # the proposer's (new_state, release)
         self.acceptance = adaptive.AcceptanceStats()  # of the first draft kind it uses (see acceptance_for)
         self._acceptance_by_kind: dict[str, adaptive.AcceptanceStats] = {}
         self.finish_reason: str | None = None

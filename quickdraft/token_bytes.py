@@ -1,6 +1,6 @@
 """The bytes each token of a tokenizer stands for, read the same way for byte-level BPE ("Ġthe"), SentencePiece
 ("▁the", <0xC3> byte fallback) and plain vocabularies: what a draft with another tokenizer matches tokens by
-(drafts/cross_vocab.py) and what structured outputs build a grammar's tokenizer from (structured.py)."""
+(drafts/vocab_mapping.py) and what structured outputs build a grammar's tokenizer from (structured.py)."""
 
 from __future__ import annotations
 

@@ -332,7 +332,7 @@ def test_relaxed_acceptance_of_a_seeded_model_draft_tests_against_its_q(method, 
 
     target = tiny_llama(seed=0)
     if method == "eagle":
-        from test_eagle import _head_dir
+        from drafts.test_eagle import _head_dir
 
         plain = LLM(target, dtype="float32")
         config = {"method": "eagle", "model": _head_dir(plain, tmp_path, range(32)), "eagle_lookup": False}

@@ -267,6 +267,10 @@ def _config(method: str) -> dict:
     config = {"method": method, "num_speculative_tokens": K, "adaptive": False}
     if method in ("draft_model", "model_lookup"):
         config["model"] = _models()[1]
+        if method == "model_lookup":
+            # Finished completions' text leaves the index at once (Proposer.release caches it otherwise): with all
+            # of their 5-token texts kept, lookups of this 4-token vocabulary crowd out the model's drafts.
+            config["suffix_decoding_max_cached_tokens"] = 0
     elif method == "eagle":
         config.update(model=_eagle_head(), eagle_lookup=False)
     else:

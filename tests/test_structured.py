@@ -23,7 +23,7 @@ from conftest import assert_greedy_equals_plain
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import QuickdraftError
 from quickdraft.structured import StructuredOutputs
-from test_cross_vocab import TARGET_PIECES, piece_tokenizer
+from drafts.test_cross_vocab import TARGET_PIECES, piece_tokenizer
 from test_law import CELLS, INDEX, N, REQUEST_SEED, T, _config, _LawTest, _models, _plain_law, _sample_rejection, \
     _Tables, assert_follows_law
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from quickdraft.bench import METHOD_HELP
+from quickdraft.drafts import SpeculativeConfig, method_class, parse_draft
 from quickdraft.engine import RequestMetrics
 from quickdraft.errors import QuickdraftError, TokenizerMismatchError
 from quickdraft.models import loader
@@ -33,7 +34,7 @@ class MethodSpec:
     """One method as named on the command line.
 
     kind: quickdraft | hf | hf-lookup | hf-assist | llamacpp | llamacpp-lookup
-    arg: quickdraft: the draft (none, ngram, layers:N or a model); hf-assist: the assistant model."""
+    arg: quickdraft: the draft as --draft spells it (drafts.draft_help); hf-assist: the assistant model."""
 
     name: str
     kind: str
@@ -62,18 +63,7 @@ def _check_model(model: str, method: str) -> None:
 
 
 def parse_method(name: str) -> MethodSpec:
-    if name in ("none", "ngram", "suffix", "quantized", "quantized:int8", "quantized:q4", "eagle"):
-        return MethodSpec(name, "quickdraft", name)
-    if name.startswith("eagle:"):
-        if not name.split(":", 1)[1]:
-            raise QuickdraftError("method 'eagle:' needs a head directory, e.g. eagle:heads/smollm2 (or plain "
-                                  "eagle for the shipped head)")
-        return MethodSpec(name, "quickdraft", name)
-    if name.startswith("layers:"):
-        value = name.split(":", 1)[1]
-        if not value.isdigit() or int(value) < 1:
-            raise QuickdraftError(f"method {name!r}: expected layers:N with N a positive integer, e.g. layers:12")
-        return MethodSpec(name, "quickdraft", name)
+    """A baseline by its name, else a quickdraft draft as --draft spells it (the draft registry reads it)."""
     if name in ("hf", "hf-lookup"):
         return MethodSpec(name, name)
     if name.startswith("hf-assist:"):
@@ -87,7 +77,10 @@ def parse_method(name: str) -> MethodSpec:
             raise QuickdraftError(f"method {name!r} needs llama-cpp-python, which is not installed; install the "
                                   f"optional extra: {LLAMA_CPP_INSTALL}")
         return MethodSpec(name, name)
-    _check_model(name, name)
+    config = parse_draft(name, 1)
+    SpeculativeConfig.from_dict(config)  # its errors before any model loads
+    if method_class(config["method"]).loads_draft_model:
+        _check_model(config["model"], name)
     return MethodSpec(name, "quickdraft", name)
 
 
@@ -304,8 +297,6 @@ def build_runners(specs: Sequence[MethodSpec], ks: Sequence[int], target: Target
     """One runner per method and K (baselines once); quickdraft methods share one LLM per method, all on the
     reference LLM's target runner. A K sweep runs each K fixed; a single K is the largest K of adaptive
     decoding unless adaptive is False."""
-    from quickdraft.drafts import parse_draft
-
     sweep = len(ks) > 1
     runners: list[Runner] = []
     for spec in specs:

@@ -1,17 +1,20 @@
-"""Draft methods behind one interface, one file each, and the configuration that picks one.
+"""Draft methods behind one interface, one file each, the registry that lists them, and the configuration that
+picks one.
 
-A new method is its own file (a Proposer subclass with a `name` and a `from_config`) plus one entry in
-PROPOSERS below; the API, the CLI (`--draft`) and the bench find it there."""
+A new method is its own file (a Proposer subclass: its `name`, its `options` dataclass, its `--draft` spelling
+and how it drafts; drafts/base.py) plus one entry in BUILT_IN below. The API (speculative_config), the command
+lines (`--draft`, parsed by `parse_draft`; their help by `draft_help`), bench and tune find it here; `register`
+adds one from outside the package."""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from quickdraft.drafts.base import DraftContext, LoadedDraft, Proposal, Proposer
+from quickdraft.drafts.base import DraftContext, DraftOptions, LoadedDraft, Proposal, Proposer
 from quickdraft.drafts.draft_model import DraftModelProposer
 from quickdraft.drafts.eagle import EagleProposer
 from quickdraft.drafts.layer_skip import LayerSkipProposer
@@ -23,101 +26,135 @@ from quickdraft.drafts.suffix import SuffixProposer
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.base import QUANTIZATION_SCHEMES
 
-PROPOSERS: dict[str, type[Proposer]] = {cls.name: cls for cls in (
+# The registry: one entry per method, in the order help strings list them (a catch-all spelling goes last).
+BUILT_IN: tuple[type[Proposer], ...] = (
     NoDraft, NgramProposer, DraftModelProposer, LayerSkipProposer, QuantizedSelfProposer, SuffixProposer,
-    EagleProposer, ModelLookupProposer)}
-METHODS = tuple(PROPOSERS)
+    EagleProposer, ModelLookupProposer)
+PROPOSERS: dict[str, type[Proposer]] = {cls.name: cls for cls in BUILT_IN}
+METHODS = tuple(PROPOSERS)  # the built-in methods' names
 QUANTIZATIONS = QUANTIZATION_SCHEMES  # what NativeRunner.quantized builds
 ACCEPTANCES = ("exact", "relaxed")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 
 
-@dataclass
+def register(proposer: type[Proposer]) -> type[Proposer]:
+    """Add a draft method from outside the package (usable as a class decorator); its name must be new."""
+    if proposer.name in PROPOSERS:
+        raise QuickdraftError(f"a draft method named {proposer.name!r} is registered already; give yours another name")
+    PROPOSERS[proposer.name] = proposer
+    return proposer
+
+
+def method_class(method: str) -> type[Proposer]:
+    """The proposer class of a method name."""
+    cls = PROPOSERS.get(method)
+    if cls is None:
+        raise QuickdraftError(f"unknown speculative method {method!r}; use one of {', '.join(PROPOSERS)}")
+    return cls
+
+
+def option_keys() -> dict[str, list[str]]:
+    """Every method's own speculative_config key -> the methods that take it."""
+    owners: dict[str, list[str]] = {}
+    for name, cls in PROPOSERS.items():
+        for key in cls.options.keys():
+            owners.setdefault(key, []).append(name)
+    return owners
+
+
+@dataclass(init=False, repr=False, eq=False)
 class SpeculativeConfig:
-    """vLLM-style speculative configuration.
+    """vLLM-style speculative configuration: the settings every method has, and the chosen method's own
+    (`options`, its DraftOptions dataclass, given as flat keys like vLLM's: {"method": "suffix",
+    "suffix_decoding_max_tree_depth": 24}; read back as attributes too).
 
     method: none | ngram | draft_model | layer_skip | quantized | suffix | eagle | model_lookup (inferred as
-        draft_model when only `model` is given). `model_lookup`: the suffix lookup's draft where it is confident,
-        the draft `model`'s elsewhere (drafts/model_lookup.py). `quantized` drafts with the target's own weights
-        quantized to `quantization`.
+        draft_model when only `model` is given), or a method registered later; its options and what it does are in
+        its file, drafts/<method>.py. `model_lookup`: the suffix lookup's draft where it is confident, the draft
+        `model`'s elsewhere. `quantized` drafts with the target's own weights quantized to `quantization`.
         `eagle` drafts with a head trained on the target's hidden states (`model`: the head's directory, written
-        by `quickdraft distill`; default: the head shipped for the target, drafts/eagle.py).
+        by `quickdraft distill`; default: the head shipped for the target).
     num_speculative_tokens: K, the draft length per step (the largest K when adaptive).
     adaptive: pick K per request and step from the measured acceptance and forward costs, down to plain
         decoding where speculation would lose (K=0). False: always propose num_speculative_tokens.
-    model: the draft model for draft_model (alias, .gguf, directory, hub id or a loaded model). A draft with
-        another tokenizer than the target's drafts over the two vocabularies' intersection (exact:
-        drafts/cross_vocab.py).
-    eagle_lookup: eagle takes the suffix lookup's draft instead of the head's where it confidently fills all K
-        positions (the answer copies text), so it is not worse than lookups on copying; False: the head only.
+    model: the draft model for draft_model and model_lookup (alias, .gguf, directory, hub id or a loaded model),
+        eagle's head directory. A draft with another tokenizer than the target's drafts over the two
+        vocabularies' intersection (exact: drafts/vocab_mapping.py).
     tokenizer: the draft model's tokenizer, when `model` is a model object (a loaded model has none of its own).
-    num_layers: how many of the target's layers layer_skip keeps.
-    quantization: weight-only quantization of the draft: int8 (the default for `quantized`) or q4 (4-bit codes,
-        a scale and min per 32 inputs, on the quantized CPU kernels). The target is
-        never quantized by this: the output stays exactly the target's.
-    prompt_lookup_min / prompt_lookup_max: the n-gram sizes ngram tries, longest first.
-    suffix_decoding_*: suffix (drafts/suffix.py): the suffix trees' depth (the longest context matched), the
-        tokens of finished requests' text kept for later requests (least recently used evicted; 0: none), the
-        draft length's cap per matched token, and the least probability a draft's continuation may have.
     acceptance: "exact" (the default: rejection sampling, the output is the target's) or "relaxed", a LOSSY mode
         that must be asked for by name: a draft token x is also accepted whenever p_target(x) >= threshold *
         q_draft(x) (q one-hot for deterministic drafts; greedy requests compare p_target(x) with threshold times
         the target's top probability). The output then no longer follows the target's law; every output's
         metrics say `lossy`. threshold in (0, 1]: the lower, the more drafts pass and the further the output
         strays from the target's (`quickdraft check` measures how far).
+    The methods' own keys (their defaults and meaning in their options' docstrings): num_layers (layer_skip),
+    quantization (draft_model, layer_skip, quantized, model_lookup: int8 or q4), prompt_lookup_min /
+    prompt_lookup_max (ngram), suffix_decoding_max_tree_depth / _max_cached_tokens / _max_spec_factor /
+    _min_token_prob (suffix, and the lookups of eagle and model_lookup), eagle_lookup (eagle). A key of another
+    method than the chosen one is refused unless it has its default value.
     """
 
     method: str | None = None
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
-    model: str | None = None
-    num_layers: int | None = None
-    quantization: str | None = None
-    adaptive: bool = True
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-    suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_cached_tokens: int = 1 << 18
-    suffix_decoding_max_spec_factor: float = 1.0
-    suffix_decoding_min_token_prob: float = 0.1
-    eagle_lookup: bool = True
+    model: Any = None
     tokenizer: Any = None
+    adaptive: bool = True
     acceptance: str = "exact"
     threshold: float | None = None
 
-    def __post_init__(self) -> None:
-        if self.method is None:
-            self.method = "draft_model" if self.model else "none"
-        if self.method not in METHODS:
-            raise QuickdraftError(f"unknown speculative method {self.method!r}; use one of {', '.join(METHODS)}")
-        k = self.num_speculative_tokens
-        if self.method != "none" and not (isinstance(k, int) and k >= 1):
+    def __init__(self, method: str | None = None, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
+                 model: Any = None, tokenizer: Any = None, adaptive: bool = True, acceptance: str = "exact",
+                 threshold: float | None = None, **options: Any):
+        self.method = method if method is not None else ("draft_model" if model else "none")
+        self.num_speculative_tokens, self.model, self.tokenizer = num_speculative_tokens, model, tokenizer
+        self.adaptive, self.acceptance, self.threshold = adaptive, acceptance, threshold
+        cls = method_class(self.method)
+        k = num_speculative_tokens
+        if cls.speculates and not (isinstance(k, int) and k >= 1):
             raise QuickdraftError(f"num_speculative_tokens (K) must be an integer >= 1, got {k!r}")
-        if self.method in ("draft_model", "model_lookup") and not self.model:
-            raise QuickdraftError(f"method '{self.method}' needs a draft model: set speculative_config['model']")
-        if self.method == "quantized" and self.quantization is None:
-            self.quantization = "int8"
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise QuickdraftError(f"unknown quantization {self.quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
-        if self.quantization is not None and self.method in ("none", "ngram", "suffix", "eagle"):
-            raise QuickdraftError(f"quantization applies to model drafts; method {self.method!r} has no weights")
-        if self.acceptance not in ACCEPTANCES:
-            raise QuickdraftError(f"unknown acceptance {self.acceptance!r}; use 'exact' (lossless, the default) or "
+        self.options = cls.options(**self._own_options(cls, options))
+        self.options.check(self)
+        if acceptance not in ACCEPTANCES:
+            raise QuickdraftError(f"unknown acceptance {acceptance!r}; use 'exact' (lossless, the default) or "
                                   "'relaxed' (lossy, with a threshold)")
-        if self.acceptance == "relaxed":
-            t = self.threshold
+        if acceptance == "relaxed":
+            t = threshold
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0.0 < t <= 1.0):
                 raise QuickdraftError(f"acceptance 'relaxed' needs a threshold in (0, 1], got {t!r}")
             self.threshold = float(t)
-        elif self.threshold is not None:
+        elif threshold is not None:
             raise QuickdraftError("threshold applies to acceptance 'relaxed' only (a lossy mode); exact verification "
                                   "has no threshold")
-        if not isinstance(self.eagle_lookup, bool):
-            raise QuickdraftError(f"eagle_lookup must be true or false, got {self.eagle_lookup!r}")
-        if not isinstance(self.adaptive, bool):
-            raise QuickdraftError(f"adaptive must be true or false, got {self.adaptive!r}")
-        if self.method == "layer_skip" and not (isinstance(self.num_layers, int) and self.num_layers >= 1):
-            raise QuickdraftError("method 'layer_skip' needs num_layers, an integer >= 1 "
-                                  "(how many of the target's layers the draft keeps)")
+        if not isinstance(adaptive, bool):
+            raise QuickdraftError(f"adaptive must be true or false, got {adaptive!r}")
+
+    def _own_options(self, cls: type[Proposer], options: dict[str, Any]) -> dict[str, Any]:
+        """The given method-specific keys that are the method's own; a key of another method is refused unless
+        at its default, an unknown key always."""
+        owners = option_keys()
+        unknown = sorted(set(options) - set(owners))
+        if unknown:
+            raise QuickdraftError(f"unknown speculative_config keys {unknown}; known keys: {known_keys()}")
+        own = set(cls.options.keys())
+        for key, value in options.items():
+            if key not in own and value != PROPOSERS[owners[key][0]].options.default(key):
+                methods = f"method{'s' if len(owners[key]) > 1 else ''} {', '.join(owners[key])}"
+                raise QuickdraftError(f"{key} applies to {methods}; method {self.method!r} does not take it: drop "
+                                      f"{key} or choose {'one of those' if len(owners[key]) > 1 else 'that'} method")
+        return {key: value for key, value in options.items() if key in own}
+
+    def __getattr__(self, name: str) -> Any:
+        # The chosen method's own settings read as flat attributes too (config.num_layers), as vLLM names them.
+        options = self.__dict__.get("options")
+        if options is not None and name in options.keys():
+            return getattr(options, name)
+        raise AttributeError(f"'SpeculativeConfig' has no setting {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SpeculativeConfig) and self.settings() == other.settings()
+
+    def __repr__(self) -> str:
+        return f"SpeculativeConfig({', '.join(f'{k}={v!r}' for k, v in self.settings().items())})"
 
     @classmethod
     def from_dict(cls, config: dict[str, Any] | "SpeculativeConfig" | None) -> "SpeculativeConfig":
@@ -129,34 +166,42 @@ class SpeculativeConfig:
             config = read_config(config)
         if not isinstance(config, dict):
             raise QuickdraftError(f"speculative_config must be a dict or a JSON file, got {type(config).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise QuickdraftError(f"unknown speculative_config keys {unknown}; known keys: {sorted(known)}")
-        return cls(**config)
+        return cls(**config)  # an unknown key is refused with the known ones
 
     @property
     def relaxed_threshold(self) -> float | None:
         """The LOSSY relaxed test's threshold, or None for exact verification (the default)."""
         return self.threshold if self.acceptance == "relaxed" and self.effective_k > 0 else None
 
+    def settings(self) -> dict[str, Any]:
+        """The method and every setting that differs from its default, flat (the common ones, then the method's
+        own), values as given (a model object too)."""
+        out: dict[str, Any] = {"method": self.method}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "method" and value != (None if f.default is MISSING else f.default):
+                out[f.name] = value
+        out.update(self.options.settings())
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         """The settings that differ from the defaults, as JSON-able values (what `quickdraft tune` writes and
         speculative_config=FILE reads back); a model object or tokenizer cannot be written."""
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value != f.default:
-                if not isinstance(value, (str, int, float, bool)):
-                    raise QuickdraftError(f"speculative_config[{f.name!r}] is a {type(value).__name__}, which cannot "
-                                          "be written as JSON; give a path or an alias")
-                out[f.name] = value
-        out["method"] = self.method
+        out = self.settings()
+        for key, value in out.items():
+            if not isinstance(value, (str, int, float, bool)):
+                raise QuickdraftError(f"speculative_config[{key!r}] is a {type(value).__name__}, which cannot be "
+                                      "written as JSON; give a path or an alias")
         return out
 
     @property
     def effective_k(self) -> int:
-        return 0 if self.method == "none" else self.num_speculative_tokens
+        return self.num_speculative_tokens if method_class(self.method).speculates else 0
+
+
+def known_keys() -> list[str]:
+    """Every speculative_config key, sorted: the common ones and every registered method's own."""
+    return sorted({f.name for f in fields(SpeculativeConfig)} | set(option_keys()))
 
 
 def read_config(source: str | os.PathLike) -> dict[str, Any]:
@@ -164,7 +209,7 @@ def read_config(source: str | os.PathLike) -> dict[str, Any]:
     text = str(source)
     if not text.lstrip().startswith("{"):
         if not Path(source).exists():
-            hint = f' (for that method pass {{"method": "{text}"}})' if text in METHODS else ""
+            hint = f' (for that method pass {{"method": "{text}"}})' if text in PROPOSERS else ""
             raise QuickdraftError(f"speculative_config must be a dict or a JSON file; {text!r} is neither{hint}")
         try:
             text = Path(source).read_text()
@@ -182,41 +227,37 @@ def read_config(source: str | os.PathLike) -> dict[str, Any]:
 
 def build_proposer(config: SpeculativeConfig, context: DraftContext) -> Proposer:
     """The proposer `config` asks for, from the registry."""
-    return PROPOSERS[config.method].from_config(config, context)
+    return method_class(config.method).from_config(config, context)
 
 
-def draft_help(default: str | None = "ngram") -> str:
+def _by_spelling() -> list[type[Proposer]]:
+    """The methods in the order their spellings are tried and listed: catch-all spellings (a draft MODEL) last."""
+    return sorted(PROPOSERS.values(), key=lambda cls: cls.spelling_catches_all)
+
+
+def draft_help(default: str | None = "ngram", separator: str = " | ") -> str:
     """The --draft help string, from the registry's spellings (lookups first, a draft model last)."""
-    spellings = [cls.spelling for cls in PROPOSERS.values() if cls.spelling and cls is not DraftModelProposer]
-    text = " | ".join(spellings + [DraftModelProposer.spelling])
+    text = separator.join(cls.spelling for cls in _by_spelling() if cls.spelling)
     return text + (f" (default: {default})" if default else "")
 
 
 def parse_draft(draft: str, k: int) -> dict[str, Any]:
-    """The command line's --draft: ngram | suffix | eagle[:HEAD_DIR] | layers:N | quantized[:int8|q4] | none |
-    lookup+MODEL (model_lookup) | a draft MODEL -> a speculative_config."""
-    if draft == "none":
-        return {"method": "none"}
-    if draft in ("ngram", "suffix", "quantized", "eagle"):
-        return {"method": draft, "num_speculative_tokens": k}
-    if draft.startswith("lookup+"):
-        return {"method": "model_lookup", "model": draft.split("+", 1)[1], "num_speculative_tokens": k}
-    if draft.startswith("eagle:"):
-        return {"method": "eagle", "model": draft.split(":", 1)[1], "num_speculative_tokens": k}
-    if draft.startswith("quantized:"):
-        scheme = draft.split(":", 1)[1]
-        if scheme not in QUANTIZATIONS:
-            raise QuickdraftError(f"--draft {draft}: expected quantized:SCHEME with SCHEME one of {', '.join(QUANTIZATIONS)}")
-        return {"method": "quantized", "quantization": scheme, "num_speculative_tokens": k}
-    if draft.startswith("layers:"):
-        value = draft.split(":", 1)[1]
-        if not value.isdigit():
-            raise QuickdraftError(f"--draft {draft}: expected layers:N with N a positive integer, e.g. layers:12")
-        return {"method": "layer_skip", "num_layers": int(value), "num_speculative_tokens": k}
-    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    """A command line's --draft string (one of draft_help's spellings) and K -> a speculative_config, each
+    method reading its own spelling (the only parser of --draft: generate, serve, batch, check, tune, bench)."""
+    for cls in _by_spelling():
+        settings = cls.parse_spelling(draft)
+        if settings is not None:
+            return {"method": cls.name, **settings, **({"num_speculative_tokens": k} if cls.speculates else {})}
+    raise QuickdraftError(f"--draft {draft!r}: expected one of {draft_help(None)}")
 
 
-__all__ = ["METHODS", "PROPOSERS", "SpeculativeConfig", "DraftContext", "LoadedDraft", "Proposal", "Proposer", "NoDraft",
-           "NgramProposer", "DraftModelProposer", "LayerSkipProposer", "QuantizedSelfProposer", "SuffixProposer",
-           "EagleProposer", "ModelLookupProposer",
-           "build_proposer", "draft_help", "parse_draft"]
+def draft_label(config: dict[str, Any] | SpeculativeConfig) -> str:
+    """A speculative_config as the command line's --draft names it (layers:12, a model's name, ...)."""
+    config = SpeculativeConfig.from_dict(config)
+    return method_class(config.method).label(config)
+
+
+__all__ = ["BUILT_IN", "METHODS", "PROPOSERS", "SpeculativeConfig", "DraftContext", "DraftOptions", "LoadedDraft",
+           "Proposal", "Proposer", "NoDraft", "NgramProposer", "DraftModelProposer", "LayerSkipProposer",
+           "QuantizedSelfProposer", "SuffixProposer", "EagleProposer", "ModelLookupProposer",
+           "build_proposer", "draft_help", "draft_label", "known_keys", "method_class", "parse_draft", "register"]

@@ -1,9 +1,20 @@
-"""The proposer interface every draft method implements."""
+"""The proposer interface every draft method implements, and the options a method declares.
+
+A method is one Proposer subclass in its own file, which says what the rest of quickdraft needs to know of it:
+its `name` (speculative_config's "method"), its `options` (a DraftOptions dataclass: its own keys of the flat
+speculative_config, their defaults and their validation), how the command line's `--draft` spells it
+(`spelling` for help strings, `parse_spelling` to read one, `label` to write one), and how it drafts. The
+registry in drafts/__init__.py lists the methods; nothing else names them.
+
+Lifecycle of a sequence's draft state (Sequence.draft_state, a sequence.DraftState): `new_state` when the engine
+makes the sequence; `prepare` once per step for the step's sequences, before the engine chooses their K;
+`propose_batch`; `release` when the scheduler finishes, aborts or preempts the sequence (the engine's `run`
+when its sequence ends)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -11,7 +22,7 @@ import torch
 if TYPE_CHECKING:
     from quickdraft.drafts import SpeculativeConfig
     from quickdraft.models.base import Runner
-    from quickdraft.sequence import Sequence
+    from quickdraft.sequence import DraftState, Sequence
 
 
 @dataclass
@@ -31,6 +42,40 @@ class DraftContext:
     load_draft_model: Callable[[Any, Any], LoadedDraft]
     target_tokenizer: Any = None
     target_name: str = "target"
+
+
+@dataclass
+class DraftOptions:
+    """A method's own settings: its keys of the flat, vLLM-style speculative_config (SpeculativeConfig holds the
+    common ones: method, num_speculative_tokens, adaptive, acceptance, threshold, model, tokenizer).
+
+    A method's options subclass this with fields that have defaults; `__post_init__` refuses a bad value with
+    a QuickdraftError that names the key and what to give instead, and `check` what the method needs of the
+    common settings (a draft model, say). Methods that share settings share the dataclass (eagle and model_lookup
+    take suffix's lookup settings)."""
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """Its speculative_config keys."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def default(cls, key: str) -> Any:
+        return next(f.default for f in fields(cls) if f.name == key)
+
+    def settings(self) -> dict[str, Any]:
+        """The settings that differ from their defaults, by key."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
+    def check(self, config: "SpeculativeConfig") -> None:
+        """Refuse what the method cannot run with among the common settings (QuickdraftError); nothing here."""
+
+
+def spelling_argument(draft: str, name: str) -> str | None:
+    """The ARG of a --draft string spelled NAME:ARG ("" for NAME alone); None when it is spelled otherwise."""
+    if draft == name:
+        return ""
+    return draft[len(name) + 1:] if draft.startswith(name + ":") else None
 
 
 @dataclass
@@ -55,13 +100,20 @@ class Proposal:
 
 
 class Proposer(ABC):
-    """Proposes draft tokens for a sequence. State that belongs to one request (a draft KV cache) lives in
-    the object returned by `new_state` and is stored on the Sequence, so proposers serve many requests."""
+    """Proposes draft tokens for sequences. State that belongs to one request (a draft KV cache) lives in the
+    DraftState that `new_state` returns and the engine stores on the Sequence, so proposers serve many
+    requests; `release` ends it (see the module docstring)."""
 
     name: str = "proposer"
-    # How the command line's --draft names the method (help strings are built from these); "" for none.
+    options: type[DraftOptions] = DraftOptions  # its own speculative_config keys
+    # How the command line's --draft names the method (help strings are built from these): e.g. "layers:N".
     spelling: str = ""
+    # A spelling that reads any string (a draft MODEL): the registry tries it after every other method's.
+    spelling_catches_all: bool = False
+    speculates: bool = True  # False for `none`: K does not apply
     runs_a_model: bool = False  # drafts cost forwards (batched per draft position), not lookups
+    # speculative_config's `model` names a draft model the LLM loads (alias, path, hub id or a model object).
+    loads_draft_model: bool = False
     # Reads the target's final hidden states (EAGLE): the engine then asks the target's forward for them and
     # hands each sequence's committed rows to `observe`.
     uses_target_features: bool = False
@@ -69,14 +121,44 @@ class Proposer(ABC):
     def __init__(self) -> None:
         self.forwards = 0  # draft model calls, for metrics
 
+    # --- what the method is -------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: "SpeculativeConfig", context: DraftContext) -> "Proposer":
         """The proposer a speculative_config asks for (the registry in drafts/__init__.py calls this)."""
         return cls()
 
+    @classmethod
+    def parse_spelling(cls, draft: str) -> dict[str, Any] | None:
+        """The settings a `--draft` string gives this method (the registry adds method and K), or None when the
+        string is not this method's; a malformed one of its own (layers:x) is a QuickdraftError."""
+        return {} if draft == cls.spelling else None
+
+    @classmethod
+    def label(cls, config: "SpeculativeConfig") -> str:
+        """A config of this method as the command line's --draft names it (reports and tune's candidates)."""
+        return cls.name
+
+    # --- a sequence's draft state -------------------------------------------------------------------------
+    def new_state(self, seq: "Sequence") -> "DraftState | None":
+        """seq's draft state as it is made (the engine stores it as seq.draft_state)."""
+        return None
+
+    def prepare(self, seqs: "list[Sequence]") -> None:
+        """Called once a step for the step's sequences before the engine chooses their K (max_draft_tokens,
+        draft_kind): a lookup indexes what they committed and drafts here, once."""
+
+    def release(self, seq: "Sequence", preempted: bool = False) -> None:
+        """The scheduler is done with seq's draft state, once per event, after it gave the state's KV blocks
+        back: seq finished, was aborted or failed (preempted False: seq.draft_state becomes None, and what the
+        proposer keeps of the request beyond it, suffix's text, is settled now), or was preempted (it reruns
+        from its whole history: a fresh state, with what outlives a KV cache carried over)."""
+        seq.draft_state = self.new_state(seq) if preempted else None
+
+    # --- drafting ---------------------------------------------------------------------------------------------
     @property
     def draft_runner(self) -> "Runner | None":
-        """The model that drafts, whose per-sequence caches (the states) hold KV memory; None for lookups."""
+        """The model that drafts, whose per-sequence caches (the states' kv_cache) hold KV memory; None for
+        lookups."""
         return None
 
     @property
@@ -95,14 +177,10 @@ class Proposer(ABC):
         a request's prompt against before it becomes a sequence)."""
         return len(token_ids)
 
-    def new_state(self, seq: "Sequence") -> Any:
-        return None
-
     def draft_kind(self, seq: "Sequence") -> str:
         """How `seq`'s drafts are made this step, which keys adaptive K's step costs and acceptance estimates:
-        "model" (draft forwards) or "lookup" (free). Asked after max_draft_tokens; a proposer that switches per
-        step (model_lookup) answers per step, so neither kind's costs or acceptance are averaged into the
-        other's."""
+        "model" (draft forwards) or "lookup" (free). Asked after `prepare`; a proposer that switches per step
+        (model_lookup) answers per step, so neither kind's costs or acceptance are averaged into the other's."""
         return "model" if self.runs_a_model else "lookup"
 
     def observe(self, seq: "Sequence", start: int, features: torch.Tensor) -> None:
@@ -110,7 +188,8 @@ class Proposer(ABC):
         step's verification forward (only called when uses_target_features)."""
 
     def max_draft_tokens(self, seq: "Sequence") -> int:
-        """The most tokens this proposer can draft for `seq` now (a draft model's context may end first)."""
+        """The most tokens this proposer can draft for `seq` now (a draft model's context may end first; a
+        lookup's prepared draft may be shorter)."""
         return 1 << 30
 
     def propose_batch(self, seqs: "list[Sequence]", ks: list[int]) -> list[Proposal]:

@@ -1,5 +1,6 @@
-"""`draft_model`: a smaller model proposes K tokens autoregressively (one with another tokenizer drafts over the
-vocabularies' intersection: drafts/cross_vocab.py).
+"""`draft_model`: a smaller model proposes K tokens autoregressively, through a vocabulary mapping
+(drafts/vocab_mapping.py): the target's ids, or for a draft with another tokenizer the vocabularies'
+intersection (lossless too).
 
 Each draft token is drawn from the draft's distribution processed exactly like the target's (same
 penalties with the same history, temperature, top-k/p, min-p); that processed q is what verification
@@ -9,76 +10,117 @@ target's: they agree wherever the two distributions put their mass alike."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from quickdraft import sampling
-from quickdraft.drafts.base import Proposal, Proposer
-from quickdraft.errors import TokenizerMismatchError
+from quickdraft.drafts.base import DraftOptions, Proposal, Proposer
+from quickdraft.drafts.vocab_mapping import IdentityMapping, IntersectionMapping, Translation, same_vocabulary
+from quickdraft.errors import QuickdraftError
+from quickdraft.models.base import QUANTIZATION_SCHEMES
 from quickdraft.models.base import Runner
+from quickdraft.sequence import DraftState
+
+__all__ = ["DraftModelOptions", "DraftModelProposer", "DraftModelState", "QuantizationOptions", "same_vocabulary"]
 
 
-def same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> bool:
-    """True when the draft reads and writes the target's token ids (the same vocabulary, or neither model has a
-    tokenizer: token-id models are taken to share ids); False when both have tokenizers that differ (the draft
-    then drafts over the intersection, drafts/cross_vocab.py). A draft whose tokenizer cannot be compared with
-    the target's (only one of them has one) is refused."""
-    if target_tokenizer is None and draft_tokenizer is None:
-        return True
-    if target_tokenizer is None or draft_tokenizer is None:
-        raise TokenizerMismatchError(
-            f"cannot tell whether draft '{draft_name}' shares the tokenizer of target '{target_name}': only one of "
-            "them has a tokenizer; pass the other's (LLM(tokenizer=...) or speculative_config['tokenizer']), or "
-            "use method ngram, suffix or layer_skip")
-    return target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
+@dataclass
+class QuantizationOptions(DraftOptions):
+    """quantization: weight-only quantization of a draft model: int8 or q4 (4-bit codes, a scale and min per 32
+    inputs, on the quantized CPU kernels). The target is never quantized by this: the output stays exactly the
+    target's."""
+
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATION_SCHEMES:
+            raise QuickdraftError(f"unknown quantization {self.quantization!r}; use one of "
+                                  f"{', '.join(QUANTIZATION_SCHEMES)}")
+
+
+@dataclass
+class DraftModelOptions(QuantizationOptions):
+    """A draft model's settings: its quantization (the model itself is speculative_config's common `model`)."""
+
+    def check(self, config) -> None:
+        if not config.model:
+            raise QuickdraftError(f"method '{config.method}' needs a draft model: set speculative_config['model']")
+
+
+@dataclass
+class DraftModelState(DraftState):
+    """A sequence's draft model cache, and its history translated into draft tokens (None: the draft reads the
+    target's ids)."""
+
+    kv_cache: Any = None  # the draft runner's SequenceCache
+    translation: Translation | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv_cache.nbytes
 
 
 class DraftModelProposer(Proposer):
     name = "draft_model"
+    options = DraftModelOptions
     spelling = "a draft MODEL"
+    spelling_catches_all = True
     runs_a_model = True
+    loads_draft_model = True
 
-    def __init__(self, runner: Runner, target_vocab_size: int):
+    def __init__(self, runner: Runner, target_vocab_size: int,
+                 mapping: IdentityMapping | IntersectionMapping | None = None):
         super().__init__()
         self.runner = runner
         self.target_vocab_size = target_vocab_size
+        self.mapping = mapping if mapping is not None else IdentityMapping(target_vocab_size)
+
+    @classmethod
+    def parse_spelling(cls, draft: str) -> dict[str, Any]:
+        return {"model": draft}
+
+    @classmethod
+    def label(cls, config) -> str:
+        model = config.model
+        name = model if isinstance(model, str) else type(model).__name__
+        quantization = config.options.quantization
+        return f"{name} ({quantization})" if quantization else name
+
+    @classmethod
+    def from_config(cls, config, context) -> "DraftModelProposer":
+        draft = context.load_draft_model(config.model, config.tokenizer)
+        quantization = config.options.quantization
+        runner = draft.runner.quantized(quantization) if quantization else draft.runner
+        if same_vocabulary(context.target_tokenizer, draft.tokenizer, context.target_name, draft.name):
+            return cls(runner, context.target.vocab_size)
+        # Another tokenizer: drafting over the vocabularies' intersection keeps verification exact.
+        return cls(runner, context.target.vocab_size, IntersectionMapping(
+            context.target_tokenizer, draft.tokenizer, context.target.vocab_size, draft.runner.vocab_size))
 
     @property
     def draft_runner(self) -> Runner:
         return self.runner
 
-    def new_state(self, seq):
-        return self.runner.new_cache()
+    @property
+    def draft_reads_target_tokens(self) -> bool:
+        return self.mapping.reads_target_tokens
 
-    @classmethod
-    def from_config(cls, config, context) -> "DraftModelProposer":
-        draft = context.load_draft_model(config.model, config.tokenizer)
-        runner = draft.runner.quantized(config.quantization) if config.quantization else draft.runner
-        if same_vocabulary(context.target_tokenizer, draft.tokenizer, context.target_name, draft.name):
-            return cls(runner, context.target.vocab_size)
-        # Another tokenizer: drafting over the vocabularies' intersection keeps verification exact.
-        from quickdraft.drafts.cross_vocab import CrossVocabDraftProposer, VocabMapping
+    def new_state(self, seq) -> DraftModelState:
+        return DraftModelState(self.runner.new_cache(), self.mapping.new_translation())
 
-        mapping = VocabMapping(context.target_tokenizer, draft.tokenizer, context.target.vocab_size,
-                               draft.runner.vocab_size)
-        return CrossVocabDraftProposer(runner, context.target.vocab_size, mapping)
+    def draft_history(self, seq) -> list[int]:
+        return self.mapping.history(seq, seq.draft_state.translation)
+
+    def draft_length(self, token_ids: list[int]) -> int:
+        return self.mapping.draft_length(token_ids)
 
     def max_draft_tokens(self, seq) -> int:
-        # Drafting k tokens feeds the history and k - 1 drafts through the draft model.
-        return self.runner.max_len - len(self.draft_history(seq)) + 1
-
-    def _to_draft_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Target token ids the draft proposed -> the draft's ids, to feed back (the same ids here)."""
-        return tokens
-
-    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        # Vocabularies that differ only by padding rows: drop the draft's extra rows, or give the target's
-        # extra (padding) ids zero draft probability.
-        extra = self.target_vocab_size - logits.shape[-1]
-        if extra < 0:
-            return logits[..., : self.target_vocab_size]
-        if extra > 0:
-            return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
-        return logits
+        # Drafting k tokens feeds the history and k - 1 drafts through the draft model. A history that translates
+        # to no draft token at all (only special tokens the draft lacks) gives it nothing to read: no drafts.
+        history = self.draft_history(seq)
+        return self.runner.max_len - len(history) + 1 if history else 0
 
     def propose(self, seq, k: int) -> Proposal:
         return self.propose_batch([seq], [k])[0]
@@ -89,7 +131,7 @@ class DraftModelProposer(Proposer):
         active = [j for j, k in enumerate(ks) if k > 0]
         feeds, catch_ups, tokens, probs = {}, {}, {}, {}
         for j in active:
-            seq, cache, history = seqs[j], seqs[j].draft_state, self.draft_history(seqs[j])
+            seq, cache, history = seqs[j], seqs[j].draft_state.kv_cache, self.draft_history(seqs[j])
             start = cache.sync(history)
             if start == len(history):  # everything is cached: recompute the last position for its logits
                 start -= 1
@@ -101,9 +143,9 @@ class DraftModelProposer(Proposer):
                 else None
         for i in range(max(ks, default=0)):
             rows = [j for j in active if ks[j] > i]
-            logits = self.runner.forward_batch([seqs[j].draft_state for j in rows], [feeds[j] for j in rows],
-                                               [1] * len(rows))  # [len(rows), V_draft]
-            logits = self._to_target_vocab(logits)
+            logits = self.runner.forward_batch([seqs[j].draft_state.kv_cache for j in rows],
+                                               [feeds[j] for j in rows], [1] * len(rows))  # [len(rows), V_draft]
+            logits = self.mapping.to_target_logits(logits)
             self.forwards += 1
             for row, j in enumerate(rows):
                 seq = seqs[j]
@@ -116,6 +158,6 @@ class DraftModelProposer(Proposer):
                 tokens[j][i] = token[0]
                 if probs[j] is not None:
                     probs[j][i] = processed[0]
-                feeds[j] = self._to_draft_tokens(token.reshape(1)).to(self.runner.device)
+                feeds[j] = self.mapping.to_draft_tokens(token.reshape(1)).to(self.runner.device)
         return [Proposal(tokens[j], probs[j], catch_ups[j]) if ks[j] > 0 else Proposal.empty(seqs[j].device)
                 for j in range(len(seqs))]

@@ -18,7 +18,8 @@ argmax, and verification compares with the target's argmax). A seeded request dr
 noise, as draft models do.
 
 Copying: where the suffix index of the request's text (drafts/suffix.py) has a confident match covering all K
-positions, that lookup draft is taken instead of the head's (deterministic: q one-hot, exact).
+positions, that lookup draft is taken instead of the head's (deterministic: q one-hot, exact; suffix's
+lookup_else_model, as model_lookup).
 
 Trees (EAGLE-2) can replace the chain: `_draw` gives one token per row from a row's logits; a tree would take
 the top tokens of each row and feed them as several rows of one head forward, with tree attention in the head's
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +43,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from quickdraft import sampling
-from quickdraft.drafts.base import Proposal, Proposer
-from quickdraft.drafts.suffix import SuffixProposer
+from quickdraft.drafts.base import Proposal, Proposer, spelling_argument
+from quickdraft.drafts.suffix import SuffixOptions, SuffixProposer, SuffixState, lookup_else_model
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.linear import DenseLinear
 from quickdraft.models.native import NativeRunner, supports
+from quickdraft.sequence import DraftState
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "heads"
 HEAD_FILE, CONFIG_FILE = "head.safetensors", "config.json"
@@ -205,26 +208,43 @@ def shipped_head(target) -> Path | None:
 
 # --- drafting -------------------------------------------------------------------------------------------------
 
-class _EagleState:
-    """One request's head cache and the target features it has not read yet.
+@dataclass
+class EagleOptions(SuffixOptions):
+    """eagle_lookup: take the suffix lookup's draft instead of the head's where it confidently fills all K
+    positions (the answer copies text), so eagle is not worse than lookups on copying; False: the head only.
+    The suffix_decoding_* settings are that lookup's. (The head's directory is the common `model`: default, the
+    head shipped for the target.)"""
+
+    eagle_lookup: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.eagle_lookup, bool):
+            raise QuickdraftError(f"eagle_lookup must be true or false, got {self.eagle_lookup!r}")
+
+
+class EagleState(DraftState):
+    """One request's head cache, the target features it has not read yet, and its suffix doc (None without
+    eagle_lookup).
 
     cache: the head's KV cache; positions < `real` were read from the target's own features, later ones are
     drafts (dropped at the next step). feats: target features of positions feat_start.., kept from real - 1 on
-    (the last one read stays, in case its row must be recomputed)."""
+    (the last one read stays, in case its row must be recomputed). The head's cache is not budgeted (kv_cache
+    None: about 1/layers of the target's)."""
 
     __slots__ = ("cache", "real", "feat_start", "feats", "suffix")
 
-    def __init__(self, cache, suffix):
+    def __init__(self, cache, suffix: SuffixState | None):
         self.cache, self.real, self.feat_start, self.feats, self.suffix = cache, 0, 0, None, suffix
 
     @property
     def nbytes(self) -> int:
-        return int(getattr(self.cache, "nbytes", 0) or 0) + (0 if self.feats is None else
-                                                            self.feats.numel() * self.feats.element_size())
+        return self.cache.nbytes + (0 if self.feats is None else self.feats.numel() * self.feats.element_size())
 
 
 class EagleProposer(Proposer):
     name = "eagle"
+    options = EagleOptions
     spelling = "eagle[:HEAD_DIR]"
     runs_a_model = True
     uses_target_features = True
@@ -245,6 +265,14 @@ class EagleProposer(Proposer):
         self.lookup = lookup
 
     @classmethod
+    def parse_spelling(cls, draft: str) -> dict | None:
+        head = spelling_argument(draft, "eagle")
+        if head == "" and draft != "eagle":
+            raise QuickdraftError(f"--draft {draft}: expected eagle:HEAD_DIR, e.g. eagle:heads/smollm2 (or plain "
+                                  "eagle for the shipped head)")
+        return None if head is None else {"model": head} if head else {}
+
+    @classmethod
     def from_config(cls, config, context) -> "EagleProposer":
         target = context.target
         if config.model:
@@ -257,30 +285,34 @@ class EagleProposer(Proposer):
                     f"({fingerprint(target.text_config)}); train one with `quickdraft distill --model "
                     f"{context.target_name} --out HEAD_DIR` and pass speculative_config['model'] = HEAD_DIR")
         head = load_head(path, target)
-        lookup = SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_tokens,
-                                config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob) \
-            if config.eagle_lookup else None
+        lookup = SuffixProposer.from_options(config.options) if config.options.eagle_lookup else None
         return cls(target, head, lookup, str(path))
 
     @property
     def draft_runner(self):
         return None  # the head's one-layer cache is not budgeted (about 1/layers of the target's)
 
-    def new_state(self, seq) -> _EagleState:
-        suffix = None
-        if self.lookup is not None:
-            old = seq.draft_state
-            if isinstance(old, _EagleState) and old.suffix is not None:
-                seq.draft_state = old.suffix  # a preempted sequence keeps its doc
+    def new_state(self, seq, suffix: SuffixState | None = None) -> EagleState:
+        """A fresh head cache; `suffix`: the doc of a preempted sequence, which goes on."""
+        if suffix is None and self.lookup is not None:
             suffix = self.lookup.new_state(seq)
-        return _EagleState(self.runner.new_cache(), suffix)
+        return EagleState(self.runner.new_cache(), suffix)
+
+    def release(self, seq, preempted: bool = False) -> None:
+        state = seq.draft_state
+        if preempted:
+            seq.draft_state = self.new_state(seq, state.suffix)
+            return
+        if state.suffix is not None:
+            self.lookup.finish(state.suffix, seq)
+        seq.draft_state = None
 
     def max_draft_tokens(self, seq) -> int:
         return self.runner.max_len - len(seq.token_ids) + 1
 
     def observe(self, seq, start: int, features: torch.Tensor) -> None:
         state = seq.draft_state
-        if not isinstance(state, _EagleState) or features.shape[0] == 0:
+        if features.shape[0] == 0:
             return
         features = features.detach()
         if state.feats is None or start < state.feat_start:
@@ -293,7 +325,7 @@ class EagleProposer(Proposer):
             state.feats = torch.cat([kept, features])
         state.real = min(state.real, start)
 
-    def _features(self, state: _EagleState, first: int, last: int) -> torch.Tensor:
+    def _features(self, state: EagleState, first: int, last: int) -> torch.Tensor:
         """Target features of positions first..last-1 [n, hidden] (zeros where none was observed)."""
         out = torch.zeros(last - first, self.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
         if state.feats is not None:
@@ -327,23 +359,17 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def propose_batch(self, seqs, ks: list[int]) -> list[Proposal]:
-        out = [Proposal.empty(seq.device) for seq in seqs]
-        heads = []
-        for j, (seq, k) in enumerate(zip(seqs, ks)):
-            if k <= 0:
-                continue
-            state = seq.draft_state
-            if not isinstance(state, _EagleState):
-                state = seq.draft_state = self.new_state(seq)
-            if state.suffix is not None:  # a confident copy of all K positions beats the head
-                draft = self.lookup.lookup(state.suffix, seq, k)
-                if len(draft) >= k:
-                    out[j] = Proposal(torch.tensor(draft[:k], dtype=torch.long, device=seq.device))
-                    continue
-            heads.append(j)
-        if not heads:
-            return out
+        def confident_copy(j: int) -> list[int]:  # a confident copy of all K positions beats the head
+            suffix = seqs[j].draft_state.suffix
+            if suffix is None:
+                return []
+            draft = self.lookup.lookup(suffix, seqs[j], ks[j])
+            return draft if len(draft) >= ks[j] else []
 
+        return lookup_else_model(seqs, ks, confident_copy, lambda heads: self._propose_by_head(seqs, ks, heads))[0]
+
+    def _propose_by_head(self, seqs, ks: list[int], heads: list[int]) -> list[Proposal]:
+        """The head's proposals for seqs[j], j in heads (each ks[j] > 0)."""
         # The head reads the committed positions it lacks: position p pairs f_p with x_{p+1}, p < len - 1.
         caches, token_rows, inputs, catch_ups = [], [], [], {}
         for j in heads:
@@ -398,6 +424,4 @@ class EagleProposer(Proposer):
                                                        [1] * len(rows), inputs_embeds=inputs, return_hidden=True)
             self.forwards += 1
             estimates = hidden
-        for j in heads:
-            out[j] = Proposal(drafts[j], probs[j], catch_ups[j])
-        return out
+        return [Proposal(drafts[j], probs[j], catch_ups[j]) for j in heads]

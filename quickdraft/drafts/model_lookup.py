@@ -15,40 +15,59 @@ missed tokens) at its next step; like draft_model's catch-ups, such a step is no
 
 from __future__ import annotations
 
-import weakref
-
-import torch
+from dataclasses import dataclass, field
 
 from quickdraft.drafts.base import Proposal, Proposer
-from quickdraft.drafts.draft_model import DraftModelProposer
-from quickdraft.drafts.suffix import SuffixProposer
+from quickdraft.drafts.draft_model import DraftModelOptions, DraftModelProposer, DraftModelState
+from quickdraft.drafts.suffix import SuffixOptions, SuffixProposer, SuffixState, lookup_else_model
 
 # The shortest confident lookup draft taken instead of the model's: a single looked-up token would displace a
 # model draft of K tokens for at most one token (chosen, not tuned).
 LOOKUP_MIN_TOKENS = 2
 
 
+@dataclass
+class ModelLookupOptions(DraftModelOptions, SuffixOptions):
+    """The draft model's settings (its quantization; the model is the common `model`) and the suffix lookup's."""
+
+    def __post_init__(self) -> None:
+        DraftModelOptions.__post_init__(self)
+        SuffixOptions.__post_init__(self)
+
+
+@dataclass
+class ModelLookupState(DraftModelState):
+    """The draft model's state (its cache: what the KV budget counts), the sequence's suffix doc, and the lookup
+    draft planned for its history's length `planned_at` (empty: the model drafts this step)."""
+
+    lookup: SuffixState | None = None
+    plan: list[int] = field(default_factory=list)
+    planned_at: int = -1
+
+
 class ModelLookupProposer(Proposer):
     name = "model_lookup"
+    options = ModelLookupOptions
     spelling = "lookup+MODEL"
     runs_a_model = True
+    loads_draft_model = True
 
     def __init__(self, model: DraftModelProposer, lookup: SuffixProposer, lookup_min_tokens: int = LOOKUP_MIN_TOKENS):
         super().__init__()
         self.model = model
         self.lookup = lookup
         self.lookup_min_tokens = lookup_min_tokens
-        # Per sequence: its suffix-index state, and the lookup draft planned at a history length. Weak keys: the
-        # suffix state dies with its sequence (its finalizer moves the text into the index's cache).
-        self._lookups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.lookup_drafts = self.model_drafts = 0  # proposals made by each source (for reports and tests)
 
     @classmethod
-    def from_config(cls, config, context) -> "ModelLookupProposer":
-        return cls(DraftModelProposer.from_config(config, context), SuffixProposer.from_config(config, context))
+    def parse_spelling(cls, draft: str) -> dict | None:
+        return {"model": draft.split("+", 1)[1]} if draft.startswith("lookup+") else None
 
-    # The draft model's cache is the sequence's draft state: the KV budget counts it as draft_model's.
+    @classmethod
+    def from_config(cls, config, context) -> "ModelLookupProposer":
+        return cls(DraftModelProposer.from_config(config, context), SuffixProposer.from_options(config.options))
+
+    # The draft model's cache is the sequence's draft state's: the KV budget counts it as draft_model's.
     @property
     def draft_runner(self):
         return self.model.draft_runner
@@ -60,22 +79,35 @@ class ModelLookupProposer(Proposer):
     def draft_history(self, seq) -> list[int]:
         return self.model.draft_history(seq)
 
-    def new_state(self, seq):
-        if seq not in self._lookups:  # a preempted sequence keeps its suffix state (its doc goes on)
-            self._lookups[seq] = self.lookup.new_state(seq)
-        return self.model.new_state(seq)
+    def draft_length(self, token_ids: list[int]) -> int:
+        return self.model.draft_length(token_ids)
+
+    def new_state(self, seq, lookup: SuffixState | None = None) -> ModelLookupState:
+        """A fresh model state; `lookup`: the suffix doc of a preempted sequence, which goes on."""
+        model = self.model.new_state(seq)
+        return ModelLookupState(model.kv_cache, model.translation,
+                                lookup if lookup is not None else self.lookup.new_state(seq))
+
+    def release(self, seq, preempted: bool = False) -> None:
+        state = seq.draft_state
+        if preempted:
+            seq.draft_state = self.new_state(seq, state.lookup)
+            return
+        self.lookup.finish(state.lookup, seq)
+        seq.draft_state = None
 
     def _plan(self, seq) -> list[int]:
         """The lookup draft for seq's current history (empty: the model drafts this step), computed once a step."""
-        length = len(seq.token_ids)
-        plan = self._plans.get(seq)
-        if plan is None or plan[0] != length:
-            state = self._lookups.get(seq)
-            if state is None:
-                state = self._lookups[seq] = self.lookup.new_state(seq)
-            draft = self.lookup.lookup(state, seq, self.lookup.max_spec_tokens)
-            plan = self._plans[seq] = (length, draft if len(draft) >= self.lookup_min_tokens else [])
-        return plan[1]
+        state = seq.draft_state
+        if state.planned_at != len(seq.token_ids):
+            draft = self.lookup.lookup(state.lookup, seq, self.lookup.max_spec_tokens)
+            state.plan = draft if len(draft) >= self.lookup_min_tokens else []
+            state.planned_at = len(seq.token_ids)
+        return state.plan
+
+    def prepare(self, seqs) -> None:
+        for seq in seqs:
+            self._plan(seq)
 
     def draft_kind(self, seq) -> str:
         return "lookup" if self._plan(seq) else "model"
@@ -88,22 +120,13 @@ class ModelLookupProposer(Proposer):
         return self.propose_batch([seq], [k])[0]
 
     def propose_batch(self, seqs, ks: list[int]) -> list[Proposal]:
-        out = [Proposal.empty(seq.device) for seq in seqs]
-        modelled = []
-        for j, (seq, k) in enumerate(zip(seqs, ks)):
-            if k <= 0:
-                continue
-            draft = self._plan(seq)
-            if draft:
-                out[j] = Proposal(torch.tensor(draft[:k], dtype=torch.long, device=seq.device))
-                self.lookup_drafts += 1
-            else:
-                modelled.append(j)
-        if modelled:
+        def by_model(indices: list[int]) -> list[Proposal]:
             before = self.model.forwards
-            proposals = self.model.propose_batch([seqs[j] for j in modelled], [ks[j] for j in modelled])
+            proposals = self.model.propose_batch([seqs[j] for j in indices], [ks[j] for j in indices])
             self.forwards += self.model.forwards - before
-            for j, proposal in zip(modelled, proposals):
-                out[j] = proposal
-            self.model_drafts += len(modelled)
+            return proposals
+
+        out, modelled = lookup_else_model(seqs, ks, lambda j: self._plan(seqs[j]), by_model)
+        self.model_drafts += len(modelled)
+        self.lookup_drafts += sum(k > 0 for k in ks) - len(modelled)
         return out

@@ -3,10 +3,12 @@ recent earlier occurrence of the sequence's last n tokens, in the prompt or the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
-from quickdraft.drafts.base import Proposal, Proposer
+from quickdraft.drafts.base import DraftOptions, Proposal, Proposer
 from quickdraft.errors import QuickdraftError
 
 
@@ -25,19 +27,32 @@ def find_continuation(ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.nda
     return ids[:0]
 
 
+@dataclass
+class NgramOptions(DraftOptions):
+    """prompt_lookup_min / prompt_lookup_max: the n-gram sizes ngram tries, longest first."""
+
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
+            raise QuickdraftError(f"ngram: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {low} and {high}")
+
+
 class NgramProposer(Proposer):
     name = "ngram"
+    options = NgramOptions
     spelling = "ngram"
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         super().__init__()
-        if not (isinstance(min_n, int) and isinstance(max_n, int) and 1 <= min_n <= max_n):
-            raise QuickdraftError(f"ngram: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n} and {max_n}")
+        NgramOptions(min_n, max_n)  # refuses bad sizes
         self.min_n, self.max_n = min_n, max_n
 
     @classmethod
     def from_config(cls, config, context) -> "NgramProposer":
-        return cls(config.prompt_lookup_min, config.prompt_lookup_max)
+        return cls(config.options.prompt_lookup_min, config.options.prompt_lookup_max)
 
     def propose(self, seq, k: int) -> Proposal:
         ids = np.asarray(seq.token_ids, dtype=np.int64)

@@ -8,6 +8,7 @@ from quickdraft.drafts.base import Proposal, Proposer
 class NoDraft(Proposer):
     name = "none"
     spelling = "none"
+    speculates = False
 
     def propose(self, seq, k: int) -> Proposal:
         return Proposal.empty(seq.device)

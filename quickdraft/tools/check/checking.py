@@ -137,13 +137,9 @@ def _describe_config(config: Any) -> dict[str, Any]:
     from its default (an acceptance mode, a draft model, ...), objects named by their type."""
     out: dict[str, Any] = {"method": config.method, "num_speculative_tokens": config.num_speculative_tokens,
                            "adaptive": config.adaptive}
-    for f in dataclasses.fields(type(config)):
-        if f.name in out:
-            continue
-        value = getattr(config, f.name)
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if value is not default and value != default:
-            out[f.name] = value if isinstance(value, (str, int, float, bool)) else type(value).__name__
+    for name, value in config.settings().items():  # the common settings, then the method's own
+        if name not in out:
+            out[name] = value if isinstance(value, (str, int, float, bool)) else type(value).__name__
     return out
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Sequence
 
-from quickdraft.drafts import SpeculativeConfig, parse_draft
+from quickdraft.drafts import SpeculativeConfig, draft_label, parse_draft
 from quickdraft.errors import QuickdraftError
 
 DEFAULT_DRAFTS = "ngram,suffix"
@@ -31,15 +31,8 @@ class Candidate:
 
 
 def _config_label(config: dict[str, Any]) -> str:
-    """A draft config as the command line's --draft names it."""
-    method = config["method"]
-    if method == "layer_skip":
-        return f"layers:{config['num_layers']}"
-    if method == "draft_model":
-        model = config["model"]
-        name = model if isinstance(model, str) else type(model).__name__
-        return f"{name} (int8)" if config.get("quantization") else name
-    return method
+    """A draft config as the command line's --draft names it (the draft registry's label)."""
+    return draft_label(config)
 
 
 def _check_draft_model(model: Any, label: str) -> None:
@@ -75,8 +68,7 @@ def parse_candidates(drafts: str | Sequence[Any], k_max: int) -> list[Candidate]
             config = parse_draft(draft, k_max)
             label = draft
         elif isinstance(draft, SpeculativeConfig):
-            config = {f.name: getattr(draft, f.name) for f in fields(draft)
-                      if f.name == "method" or getattr(draft, f.name) != f.default}
+            config = draft.settings()
             label = None
         elif isinstance(draft, dict):
             config = dict(draft)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from quickdraft.drafts import draft_help
 from quickdraft.errors import QuickdraftError
 from quickdraft.params import SamplingParams
 from quickdraft.tools.prompts import read_prompts
@@ -26,8 +27,7 @@ def add_parser(sub) -> None:
                    help="a text file of one prompt per line, or JSONL: Spec-Bench records (first turn) or "
                         "{\"prompt\": ...} / {\"prompt_token_ids\": [...]} records")
     p.add_argument("--drafts", default=DEFAULT_DRAFTS,
-                   help="comma list of drafts as --draft takes them: ngram | suffix | layers:N | quantized | a draft "
-                        f"MODEL (default: {DEFAULT_DRAFTS})")
+                   help=f"comma list of drafts as --draft takes them: {draft_help(DEFAULT_DRAFTS)}")
     p.add_argument("--k-max", type=int, default=DEFAULT_K_MAX, help=f"largest K tried (default {DEFAULT_K_MAX})")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"tokens generated per prompt (default {DEFAULT_MAX_TOKENS})")

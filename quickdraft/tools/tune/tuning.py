@@ -89,7 +89,7 @@ def tune(llm, prompts: Sequence[Any], drafts: str | Sequence[Any] = DEFAULT_DRAF
         proposer = session.draft_llms[candidate.label].proposer
         # A draft with another tokenizer reads other token ids: its distributions are not over the target's
         # next token at the same positions, so KL and TV are left out (n/a) for it.
-        if candidate.is_model and getattr(proposer, "draft_reads_target_tokens", True):
+        if candidate.is_model and proposer.draft_reads_target_tokens:
             session._say(f"KL and TV of {candidate.label} against the target ...")
             result.kl, result.tv, result.divergence_positions = measure_divergence(
                 llm.target, proposer.draft_runner, continuations, temperature)

@@ -1,4 +1,4 @@
-"""A draft model with another tokenizer (drafts/cross_vocab.py, Token-Level Intersection): the byte tables of the
+"""A draft model with another tokenizer (drafts/vocab_mapping.py, Token-Level Intersection): the byte tables of the
 three tokenizer styles, the intersection and the translation of the target's tokens, and exactness: the joint
 law of 5 sampled tokens (tests/test_law.py's test, same thresholds) with a draft whose vocabulary is a
 different, partly overlapping set of pieces in another order, and greedy output equal to plain output."""

@@ -339,7 +339,6 @@ def test_requests_join_and_leave_and_their_text_enters_the_cache():
         assert outputs[str(i)] == expected[i][0]
     # Every request's doc is finished into the cache, with its whole text: the last step's tokens too.
     proposer = llm.proposer
-    proposer._settle()
     index = proposer.index
     assert len(index.docs) == len(PROMPTS) and len(index.cached) == len(PROMPTS)
     texts = sorted(doc.tokens for doc in index.docs)
@@ -367,7 +366,6 @@ def test_a_tight_kv_budget_preempts_and_keeps_every_output():
     assert scheduler.num_preemptions > 0
     assert [[outputs[str(i)]] for i in range(len(PROMPTS))] == expected
     # A preempted sequence keeps its doc: one doc per request, each with its whole text once.
-    tight.proposer._settle()
     index = tight.proposer.index
     assert len(index.docs) == len(PROMPTS) and not [d for d in index.docs if not d.finished]
     index.check()

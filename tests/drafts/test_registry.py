@@ -1,0 +1,137 @@
+"""A draft method is its file plus one registry entry: a tiny method defined here, in a test module, and
+registered from it (drafts.register), runs through the config, `--draft` parsing, help, labels and
+LLM.generate without any other change to the package. Also: the flat vLLM-style dict keeps its keys, errors and
+round trip, each method validating its own options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from quickdraft import LLM, SamplingParams
+from quickdraft import drafts
+from quickdraft.drafts import (DraftOptions, Proposal, Proposer, SpeculativeConfig, draft_help, draft_label,
+                               known_keys, parse_draft)
+from quickdraft.errors import QuickdraftError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@dataclass
+class RepeatOptions(DraftOptions):
+    """repeat_times: how many times the last token is proposed again (at most K)."""
+
+    repeat_times: int = 2
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.repeat_times, int) and self.repeat_times >= 1):
+            raise QuickdraftError(f"repeat_last: repeat_times must be an integer >= 1, got {self.repeat_times!r}")
+
+
+class RepeatLastProposer(Proposer):
+    """Proposes the sequence's last token again, repeat_times times."""
+
+    name = "repeat_last"
+    options = RepeatOptions
+    spelling = "repeat"
+
+    def __init__(self, times: int):
+        super().__init__()
+        self.times = times
+
+    @classmethod
+    def from_config(cls, config, context) -> "RepeatLastProposer":
+        return cls(config.options.repeat_times)
+
+    def propose(self, seq, k: int) -> Proposal:
+        return Proposal(torch.tensor([seq.token_ids[-1]] * min(k, self.times), device=seq.device))
+
+
+@pytest.fixture
+def repeat_last():
+    drafts.register(RepeatLastProposer)
+    try:
+        yield RepeatLastProposer
+    finally:
+        del drafts.PROPOSERS[RepeatLastProposer.name]
+
+
+def test_a_method_registered_from_outside_the_package_runs_everywhere(repeat_last):
+    assert parse_draft("repeat", 3) == {"method": "repeat_last", "num_speculative_tokens": 3}
+    assert "repeat |" in draft_help() and draft_help().endswith("a draft MODEL (default: ngram)")
+    assert "repeat_times" in known_keys()
+    config = SpeculativeConfig.from_dict({"method": "repeat_last", "repeat_times": 3})
+    assert config.repeat_times == 3 and config.to_dict() == {"method": "repeat_last", "repeat_times": 3}
+    assert SpeculativeConfig.from_dict(config.to_dict()) == config and draft_label(config) == "repeat_last"
+    with pytest.raises(QuickdraftError, match="repeat_times must be an integer >= 1"):
+        SpeculativeConfig.from_dict({"method": "repeat_last", "repeat_times": 0})
+    with pytest.raises(QuickdraftError, match="repeat_times applies to method repeat_last; method 'ngram'"):
+        SpeculativeConfig.from_dict({"method": "ngram", "repeat_times": 3})
+
+    target = tiny_llama(seed=0)
+    plain = LLM(target, speculative_config={"method": "none"})
+    llm = LLM(target, speculative_config={**parse_draft("repeat", 4), "repeat_times": 3, "adaptive": False})
+    assert isinstance(llm.proposer, RepeatLastProposer) and llm.proposer.times == 3
+    prompt = {"prompt_token_ids": [5, 9, 3, 7, 7, 7]}
+    sp = SamplingParams(temperature=0, max_tokens=30)
+    out = llm.generate(prompt, sp)[0]
+    assert out.outputs[0].token_ids == plain.generate(prompt, sp)[0].outputs[0].token_ids
+    assert out.metrics.proposed_tokens > 0 and len(out.metrics.proposed_per_position) == 3  # at most repeat_times
+
+
+def test_the_flat_config_keeps_its_keys_errors_and_round_trip():
+    assert known_keys() == sorted([
+        "acceptance", "adaptive", "eagle_lookup", "method", "model", "num_layers", "num_speculative_tokens",
+        "prompt_lookup_max", "prompt_lookup_min", "quantization", "suffix_decoding_max_cached_tokens",
+        "suffix_decoding_max_spec_factor", "suffix_decoding_max_tree_depth", "suffix_decoding_min_token_prob",
+        "threshold", "tokenizer"])
+    with pytest.raises(QuickdraftError, match=r"unknown speculative_config keys \[.bogus.\]; known keys: \[.accept"):
+        SpeculativeConfig.from_dict({"method": "suffix", "bogus": 1})
+    written = {"method": "suffix", "num_speculative_tokens": 8, "adaptive": False, "suffix_decoding_max_tree_depth": 30,
+               "suffix_decoding_min_token_prob": 0.2}
+    config = SpeculativeConfig.from_dict(written)
+    assert config.to_dict() == written and SpeculativeConfig.from_dict(config.to_dict()) == config
+    assert config.options.suffix_decoding_max_tree_depth == 30 and config.suffix_decoding_max_tree_depth == 30
+    # The keyword form of the same config, and a method's default filled in as before.
+    assert SpeculativeConfig(**written) == config
+    assert SpeculativeConfig.from_dict({"method": "quantized"}).to_dict() == {"method": "quantized",
+                                                                           "quantization": "int8"}
+    assert SpeculativeConfig.from_dict({"model": "some/model"}).method == "draft_model"
+    # A method validates its own options; another method's key is refused unless at its default.
+    with pytest.raises(QuickdraftError, match="max tree depth"):
+        SpeculativeConfig.from_dict({"method": "eagle", "suffix_decoding_max_tree_depth": 1})
+    with pytest.raises(QuickdraftError, match="quantization applies to methods draft_model, layer_skip"):
+        SpeculativeConfig.from_dict({"method": "suffix", "quantization": "int8"})
+    assert SpeculativeConfig.from_dict({"method": "suffix", "quantization": None}).to_dict() == {"method": "suffix"}
+    with pytest.raises(AttributeError):
+        SpeculativeConfig.from_dict({"method": "suffix"}).num_layers
+
+
+@pytest.mark.parametrize("draft, config", [
+    ("none", {"method": "none"}),
+    ("ngram", {"method": "ngram", "num_speculative_tokens": 4}),
+    ("suffix", {"method": "suffix", "num_speculative_tokens": 4}),
+    ("layers:12", {"method": "layer_skip", "num_layers": 12, "num_speculative_tokens": 4}),
+    ("quantized:q4", {"method": "quantized", "quantization": "q4", "num_speculative_tokens": 4}),
+    ("eagle:heads/x", {"method": "eagle", "model": "heads/x", "num_speculative_tokens": 4}),
+    ("lookup+some/model", {"method": "model_lookup", "model": "some/model", "num_speculative_tokens": 4}),
+    ("some/model", {"method": "draft_model", "model": "some/model", "num_speculative_tokens": 4}),
+])
+def test_every_spelling_parses_and_labels_back(draft, config):
+    assert parse_draft(draft, 4) == config
+    label = draft_label(config)
+    assert label == {"layers:12": "layers:12", "some/model": "some/model", "quantized:q4": "quantized",
+                     "eagle:heads/x": "eagle", "lookup+some/model": "model_lookup"}.get(draft, draft)
+
+
+@pytest.mark.parametrize("draft, message", [
+    ("layers:x", "layers:N with N a positive integer"),
+    ("quantized:fp8", "quantized:SCHEME"),
+    ("eagle:", "eagle:HEAD_DIR"),
+])
+def test_malformed_spellings_are_refused_by_their_method(draft, message):
+    with pytest.raises(QuickdraftError, match=message):
+        parse_draft(draft, 4)

@@ -12,13 +12,7 @@ PACKAGE = Path(quickdraft.__file__).resolve().parent
 
 # Cycles known to remain while the design round (issue 24) is merged; a cycle not listed here fails the test,
 # and so does a listed one that is gone (so the list empties as they are removed).
-KNOWN_CYCLES: list[set[str]] = [
-    # A base class lazily importing its subclass: the vocabulary mapping is being split out on the drafts branch.
-    {"quickdraft.drafts.draft_model", "quickdraft.drafts.cross_vocab"},
-    # The bench package's face lazily imports run (for BenchConfig, run_bench), which imports METHOD_HELP and
-    # DEFAULT_METHODS from that face; not yet assigned in issue 24 (the --draft help may move to the registry).
-    {"quickdraft.bench", "quickdraft.bench.methods", "quickdraft.bench.report", "quickdraft.bench.run"},
-]
+KNOWN_CYCLES: list[set[str]] = []  # none left after the design round (issue 24); keep it empty
 
 
 def module_names(root: Path = PACKAGE) -> dict[str, Path]:

@@ -6,17 +6,14 @@ plots), run (the orchestration: `run_bench`), cli (the command line). Importing 
 METHOD_HELP, read from the draft registry, imports it).
 """
 
-DEFAULT_METHODS = "none,ngram,hf,hf-lookup"
-BASELINE_HELP = "hf, hf-lookup, hf-assist:MODEL, llamacpp, llamacpp-lookup"
+from quickdraft.bench.names import BASELINE_HELP, DEFAULT_METHODS, method_help
 
-__all__ = ["BenchConfig", "run_bench", "METHOD_HELP"]
+__all__ = ["BASELINE_HELP", "DEFAULT_METHODS", "METHOD_HELP", "BenchConfig", "run_bench"]
 
 
 def __getattr__(name):
-    if name == "METHOD_HELP":  # the draft registry's spellings (importing it imports torch), then the baselines
-        from quickdraft.drafts import draft_help
-
-        return f"{draft_help(None, ', ')}, {BASELINE_HELP}"
+    if name == "METHOD_HELP":
+        return method_help()
     if name in ("BenchConfig", "run_bench"):
         from quickdraft.bench import run
 

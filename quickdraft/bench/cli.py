@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from quickdraft.bench import DEFAULT_METHODS, METHOD_HELP
+from quickdraft.bench.names import DEFAULT_METHODS, method_help
 
 
 def add_bench_parser(sub) -> None:
@@ -13,7 +13,7 @@ def add_bench_parser(sub) -> None:
                                    "llama.cpp on a Spec-Bench JSONL dataset.")
     p.add_argument("--dataset", required=True, help="Spec-Bench JSONL file (question_id, category, turns)")
     p.add_argument("--model", default=None, help="target: alias, .gguf, directory or hub id (default smollm2-135m)")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of: {METHOD_HELP} "
+    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of: {method_help()} "
                                                               f"(default {DEFAULT_METHODS}; none is always added)")
     p.add_argument("--k", default="5", help="speculative tokens per step; a comma list sweeps K (e.g. 1,2,4,6,8)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default 256)")

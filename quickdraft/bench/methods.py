@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from quickdraft.bench import METHOD_HELP
+from quickdraft.bench.names import method_help
 from quickdraft.drafts import SpeculativeConfig, method_class, parse_draft
 from quickdraft.engine import RequestMetrics
 from quickdraft.errors import QuickdraftError, TokenizerMismatchError
@@ -58,7 +58,7 @@ def _check_model(model: str, method: str) -> None:
     try:
         loader.resolve(model)
     except QuickdraftError as exc:
-        raise QuickdraftError(f"unknown method {method!r}: not one of {METHOD_HELP}, and not a model ({exc})") \
+        raise QuickdraftError(f"unknown method {method!r}: not one of {method_help()}, and not a model ({exc})") \
             from None
 
 
@@ -88,7 +88,7 @@ def parse_methods(text: str) -> list[MethodSpec]:
     """A comma list of methods; `none` (the reference) is added first when missing."""
     names = [n.strip() for n in str(text).split(",")]
     if not names or any(not n for n in names):
-        raise QuickdraftError(f"--methods {text!r}: expected a comma list of methods ({METHOD_HELP})")
+        raise QuickdraftError(f"--methods {text!r}: expected a comma list of methods ({method_help()})")
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise QuickdraftError(f"--methods lists {', '.join(duplicates)} more than once")

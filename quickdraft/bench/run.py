@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from quickdraft.bench import DEFAULT_METHODS, dataset, greedy, methods
+from quickdraft.bench import dataset, greedy, methods
+from quickdraft.bench.names import DEFAULT_METHODS
 from quickdraft.bench.costs import measure_read_bandwidth, measure_target_forward, runner_costs
 from quickdraft.bench.report import PromptResult, Turn, build_report, render, write_json, write_plots
 from quickdraft.errors import QuickdraftError

@@ -32,7 +32,7 @@ from torch import nn
 from quickdraft import kernels
 from quickdraft.kernels import quant
 from quickdraft.kernels.quant import QuantizedWeight
-from quickdraft.kv_pool import StaticSequenceCache
+from quickdraft.kv.static_cache import StaticSequenceCache
 from quickdraft.cache import SequenceCache
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.gguf_weights import QuantizedWeights

@@ -1,4 +1,4 @@
-"""Prefix caching (quickdraft.kv_pool.PrefixCache): full blocks of KV kept by their token prefix and copied into
+"""Prefix caching (quickdraft/kv/prefix_cache.py): full blocks of KV kept by their token prefix and copied into
 later sequences that start alike.
 
 On the CPU kernels (bf16, rows computed alike whatever the call) a copied block is bitwise what a fresh prefill
@@ -14,7 +14,7 @@ from conftest import tiny_llama
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import cpu_linear
-from quickdraft.kv_pool import BLOCK_SIZE, KVPool, PrefixCache
+from quickdraft.kv import BLOCK_SIZE, KVPool, PrefixCache
 from quickdraft.models.native import NativeRunner
 from test_native import tiny_gemma16, tiny_llama16
 

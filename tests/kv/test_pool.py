@@ -3,24 +3,17 @@
 import random
 
 import pytest
-import torch
 
 from conftest import tiny_gemma3, tiny_llama
 from quickdraft import LLM, SamplingParams
-from quickdraft.errors import QuickdraftError
 from quickdraft.cache import SequenceCache
+from quickdraft.errors import QuickdraftError
 from quickdraft.kv import KVPool, KVPoolFull, PoolGrantedCache
 
 BASE = [5, 9, 3, 7, 5, 9, 3, 1, 2, 5, 9, 4, 4, 8, 1, 5, 9, 3]
 PROMPTS = [BASE[:n] for n in (3, 11, 7, 18, 1, 5)]
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run on one thread
 
 
 def _config(build, method):

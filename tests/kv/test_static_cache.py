@@ -8,13 +8,7 @@ from conftest import tiny_llama
 from quickdraft import LLM
 from quickdraft.kv import KVPool, KVPoolFull, StaticSequenceCache, runner_bytes_per_token
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run on one thread
 
 
 def test_bytes_per_token_matches_the_allocated_tensors():

@@ -7,6 +7,7 @@ of a step with k drafts is its wall time, measured while the engine runs (shared
 belongs to the target and the proposer, not to a prompt). K = 0 is plain decoding; it wins where drafts are
 rarely accepted. Estimates decay each step toward an optimistic prior, so a request that dropped to K = 0
 tries speculation again after a while instead of never learning that the text turned repetitive.
+The formulas are quickdraft/speedup_model.py's, which `quickdraft tune` and the bench share.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import math
 import statistics
 from collections import deque
 
+from quickdraft.speedup_model import acceptance_chain, expected_tokens_per_step, monotone_fit
+
 PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 1.0
 DECAY = 0.9
@@ -23,22 +26,6 @@ DECAY = 0.9
 # per draft token (measured in bf16: verifying 8 tokens costs about 1.15x one on a CPU with AMX, ~0.02 per
 # token, and 1.5-1.7x one on AVX512-BF16 without AMX, ~0.08; the prior sits between until steps are timed).
 PRIOR_COST_SLOPE = 0.05
-
-
-def monotone_fit(values: list[float], weights: list[float] | None = None) -> list[float]:
-    """The non-decreasing sequence closest to `values` in weighted least squares (pool-adjacent-violators):
-    a run that falls is replaced by its weighted mean. Costs measured by size: more rows never cost less."""
-    weights = weights or [1.0] * len(values)
-    blocks: list[list[float]] = []  # [value, weight, number of points] per pooled run
-    for value, weight in zip(values, weights):
-        blocks.append([value, float(weight), 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            value, weight, count = blocks.pop()
-            last = blocks[-1]
-            last[0] = (last[0] * last[1] + value * weight) / (last[1] + weight)
-            last[1] += weight
-            last[2] += count
-    return [value for value, _, count in blocks for _ in range(int(count))]
 
 
 class _Curve:
@@ -137,11 +124,8 @@ class AcceptanceStats:
         return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
 
     def expected_tokens(self, k: int) -> float:
-        total, survive = 1.0, 1.0
-        for i in range(k):
-            survive *= self.rate(i)
-            total += survive
-        return total
+        """E(k) = 1 + sum_{i<k} prod_{j<=i} a_j (speedup_model.expected_tokens_per_step, every step proposing k)."""
+        return expected_tokens_per_step([self.rate(i) for i in range(k)], None, k)
 
 
 def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int) -> int:
@@ -205,10 +189,8 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
         return list(caps)
     candidates = []
     for i, (s, cap) in enumerate(zip(stats, caps)):
-        survive = 1.0
-        for j in range(cap):
-            survive *= s.rate(j)
-            candidates.append((-survive, j, i))
+        for j, chance in enumerate(acceptance_chain([s.rate(position) for position in range(cap)], cap)):
+            candidates.append((-chance, j, i))
     candidates.sort()
     ks = [0] * len(caps)
     tokens = float(len(caps))

@@ -187,3 +187,53 @@ def test_points_not_measured_for_a_while_are_forgotten():
         curve.record(20, 0.060)
     assert 40 not in curve.points
     assert curve.estimate(40, 0.0) == pytest.approx(0.045 + (0.060 - 0.045) / 4 * 24)  # extrapolated, not flat
+
+
+def _random_stats(count=6, seed=7):
+    """Requests with decayed counts from random steps (proposed 0..6, accepted up to proposed)."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        stats = AcceptanceStats()
+        for _ in range(30):
+            proposed = rng.randint(0, 6)
+            stats.update(proposed, rng.randint(0, proposed))
+        out.append(stats)
+    return out
+
+
+def test_expected_tokens_and_choices_are_the_same_to_the_last_bit():
+    """Adaptive K takes its formulas from quickdraft/speedup_model.py; its numbers and choices are those of its own
+    loops before (commit e56b434): E(k) accumulated left to right, and the same K picked for the same inputs."""
+    from quickdraft.adaptive import BatchCosts, choose_batch_k
+
+    requests = _random_stats()
+    for stats in requests:
+        for k in range(9):
+            total, survive = 1.0, 1.0  # e56b434's AcceptanceStats.expected_tokens
+            for i in range(k):
+                survive *= stats.rate(i)
+                total += survive
+            assert stats.expected_tokens(k).hex() == total.hex()
+    assert [stats.expected_tokens(4).hex() for stats in requests] == [
+        "0x1.21e0b5ffba7e6p+1", "0x1.4ccb2df545cf0p+1", "0x1.9215cedfe3a28p+1", "0x1.63d82affd36c0p+1",
+        "0x1.820a9b0cce428p+1", "0x1.7f2d3fba359fep+1"]
+
+    step_costs = StepCosts(8)
+    for k, seconds in [(0, 0.010), (2, 0.0112), (5, 0.0135), (8, 0.0171), (2, 0.0109)]:
+        step_costs.record(k, seconds)
+    assert [choose_k(stats, step_costs, max_k) for stats in requests for max_k in (1, 4, 8)] == \
+        [1, 3, 3, 1, 4, 4, 1, 4, 4, 1, 3, 3, 1, 4, 4, 1, 4, 5]
+
+    lookup, model = BatchCosts(), BatchCosts()
+    for rows, seconds, drafting, forwards, draft_s in [(6, 0.03, 0, 0, None), (12, 0.033, 6, 0, 0.0012),
+                                                        (20, 0.041, 4, 0, 0.0009), (40, 0.06, 0, 0, None)]:
+        lookup.record(rows, seconds, drafting, forwards, draft_s)
+    for rows, seconds, drafting, forwards, draft_s in [(6, 0.03, 0, 0, None), (12, 0.033, 6, 3, 0.012),
+                                                        (20, 0.041, 4, 4, 0.02)]:
+        model.record(rows, seconds, drafting, forwards, draft_s)
+    chosen = [choose_batch_k(requests, caps, 6, costs, model_draft) for caps in ([4] * 6, [8, 2, 0, 5, 3, 1])
+              for costs, model_draft in ((lookup, False), (model, True))]
+    assert chosen == [[1, 2, 4, 2, 3, 4], [1, 2, 2, 2, 2, 1], [1, 2, 0, 2, 3, 1], [1, 2, 0, 2, 2, 1]]

@@ -1,4 +1,4 @@
-"""What a step costs, measured in the run, and the speedup an analytic model predicts from it.
+"""What a step costs, measured in the run, and the speedup an analytic model (quickdraft/speedup_model.py) predicts.
 
 The model (Leviathan et al. 2023, extended to drafts that sometimes propose nothing):
   alpha  per-token acceptance: the chance that a draft token is accepted given that the ones before it were
@@ -19,10 +19,12 @@ import statistics
 import time
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from quickdraft.engine import RequestMetrics
+# The model's formulas (the module doc): expected_tokens_per_step is the name the bench's reports and tests know.
+from quickdraft.speedup_model import forward_seconds, pooled_step_seconds, speedup_over_plain
+from quickdraft.speedup_model import pooled_expected_tokens_per_step as expected_tokens_per_step
 
 MODEL_DESCRIPTION = (__doc__ or "").split("\n\n", 1)[1].strip()
 
@@ -48,11 +50,6 @@ def measure_target_forward(runner, context_ids: Sequence[int], sizes: Sequence[i
             if round_:
                 times[n].append(elapsed)
     return {n: statistics.median(ts) for n, ts in times.items()}
-
-
-def expected_tokens_per_step(alpha: float, k: float, f: float = 1.0) -> float:
-    drafted = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return (1 - f) + f * drafted
 
 
 def draft_statistics(metrics: Sequence[RequestMetrics]) -> dict[str, float | None]:
@@ -82,14 +79,10 @@ def predict(stats: dict[str, float | None], forward_s: dict[int, float]) -> dict
     alpha, f, k, draft = (stats[key] for key in ("alpha", "draft_fraction", "mean_draft_length", "draft_s_per_step"))
     if alpha is None or f is None or k is None or draft is None:
         return {"predicted_tokens_per_step": None, "predicted_step_s": None, "predicted_speedup": None}
-    sizes = sorted(forward_s)
-
-    def t(n: float) -> float:  # forward seconds for n tokens, interpolated between the measured sizes
-        return float(np.interp(n, sizes, [forward_s[s] for s in sizes]))
-
     tokens = expected_tokens_per_step(alpha, k, f)
-    step = (1 - f) * t(1) + f * t(k + 1) + draft
-    return {"predicted_tokens_per_step": tokens, "predicted_step_s": step, "predicted_speedup": tokens * t(1) / step}
+    step = pooled_step_seconds(f, k, forward_s, draft)
+    return {"predicted_tokens_per_step": tokens, "predicted_step_s": step,
+            "predicted_speedup": speedup_over_plain(tokens, step, forward_seconds(forward_s, 1))}
 
 
 def measure_read_bandwidth(device: torch.device, size_bytes: int = 1 << 30, repeats: int = 5) -> float:

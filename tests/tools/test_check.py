@@ -1,4 +1,4 @@
-"""`quickdraft check` (quickdraft/tools/check.py): it passes on the real engine and fails on planted defects.
+"""`quickdraft check` (quickdraft/tools/check/): it passes on the real engine and fails on planted defects.
 
 Models: the 4-token tiny Llamas of tests/test_law.py (target seed 0, draft seed 5, two layers, float32 on CPU),
 K = 3 fixed, prompts as token ids. Every check draws N = 1000 samples of m = 4 tokens over the two prompts
@@ -31,8 +31,8 @@ from conftest import tiny_llama
 from quickdraft import LLM, SamplingParams, verify
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
-from quickdraft.tools import check as check_tool
 from quickdraft.tools.check import check, near_tie_tolerance
+from quickdraft.tools.check import greedy as check_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
 
@@ -239,7 +239,7 @@ def test_near_tie_rule():
     assert near_tie_tolerance("float32", 0.1) == near_tie_tolerance("float32", 1.0)  # at least the eps of 1
     llm = argparse.Namespace(target=_FixedLogits([10.0, 10.0 - 1e-3, 3.0, 10.0 - 2e-6]))
     greedy = SamplingParams(temperature=0)
-    divergence = functools.partial(check_tool._divergence, llm, [1, 2], [], params=greedy)
+    divergence = functools.partial(check_greedy._divergence, llm, [1, 2], [], params=greedy)
     assert divergence(spec=[0], plain=[3], position=0, dtype_name="float32").near_tie
     assert not divergence(spec=[0], plain=[1], position=0, dtype_name="float32").near_tie
     assert divergence(spec=[1], plain=[0], position=0, dtype_name="bfloat16").near_tie

@@ -1,12 +1,12 @@
-"""`quickdraft tune`: the analytic model's pure functions on hand-computed numbers, and the whole tool on tiny random
-Llamas (seconds). No assertion depends on a timing: only counts, acceptance, divergences, structure and errors;
-the ranking and the speeds asserted are measured on a clock that advances only in model forwards
-(`forward_clock`), so they are the same on any machine under any load."""
+"""`quickdraft tune`: its acceptance profiles and predictions on hand-computed numbers (the analytic model's formulas
+themselves: tests/test_speedup_model.py), and the whole tool on tiny random Llamas (seconds). No assertion depends on
+a timing: only counts, acceptance, divergences, structure and errors; the ranking and the speeds asserted are
+measured on a clock that advances only in model forwards (`forward_clock`), so they are the same on any machine under
+any load."""
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 
@@ -15,11 +15,14 @@ import torch
 
 from conftest import tiny_llama
 from quickdraft import LLM, SamplingParams
-from quickdraft.bench import costs
 from quickdraft.drafts import SpeculativeConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.sequence import RequestMetrics
 from quickdraft.tools import tune
+from quickdraft.tools.tune import cli as tune_cli
+from quickdraft.tools.tune import measure as tune_measure
+from quickdraft.tools.tune import report as tune_report
+from quickdraft.tools.tune import tuning as tune_tuning
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,7 +36,7 @@ RANDOM_PROMPTS = [[int(t) for t in torch.randint(32, (10,), generator=torch.Gene
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 
 
-# --- the analytic model ------------------------------------------------------------------------------------------
+# --- the analytic model as tune uses it (its formulas: tests/test_speedup_model.py) ------------------------------
 
 def test_acceptance_rates():
     assert tune.acceptance_rates([3, 1, 0], [4, 2, 0]) == [0.75, 0.5, None]
@@ -56,75 +59,10 @@ def test_proposal_length_distribution():
             tune.proposal_length_distribution(counts, steps, k_max)
 
 
-def test_filled_rates():
-    assert tune.filled_rates([0.5, None, 0.8], 5) == [0.5, 0.5, 0.8, 0.8, 0.8]
-    assert tune.filled_rates([None, 0.3], 3) == [0.0, 0.3, 0.3]
-    assert tune.filled_rates([], 2) == [0.0, 0.0]
-
-
-def test_expected_tokens_hand_computed():
-    rates, lengths = [0.5, 0.5], [0.5, 0.0, 0.5]  # half the steps propose nothing, half propose 2
-    assert tune.expected_tokens_per_step(rates, lengths, 0) == 1.0
-    assert tune.expected_tokens_per_step(rates, lengths, 1) == pytest.approx(1 + 0.5 * 0.5)
-    assert tune.expected_tokens_per_step(rates, lengths, 2) == pytest.approx(1 + 0.5 * 0.5 + 0.5 * 0.25)
-    assert tune.expected_drafts_per_step(lengths, 1) == pytest.approx(0.5)
-    assert tune.expected_drafts_per_step(lengths, 2) == pytest.approx(1.0)
-    # A draft that is always right and always proposes K gives K + 1 tokens per step.
-    assert tune.expected_tokens_per_step([1.0] * 4, [0, 0, 0, 0, 1.0], 4) == pytest.approx(5)
-
-
-def _enumerated_tokens(rates, lengths, k) -> float:
-    """E(K) by brute force: every proposal length and every accept/reject pattern of its drafts, weighted by its
-    probability; a step yields the accepted prefix plus the target's token."""
-    total = 0.0
-    for length, p_length in enumerate(lengths):
-        drafted = min(length, k)
-        for pattern in itertools.product([True, False], repeat=drafted):
-            probability, prefix = p_length, 0
-            for i, accepted in enumerate(pattern):
-                probability *= rates[i] if accepted else 1 - rates[i]
-            for accepted in pattern:
-                if not accepted:
-                    break
-                prefix += 1
-            # Patterns that differ only after the first rejection are all counted: their probabilities sum to
-            # the probability of that prefix, as every later position's two outcomes sum to one.
-            total += probability * (prefix + 1)
-    return total
-
-
-def test_expected_tokens_by_enumeration():
-    generator = torch.Generator().manual_seed(0)
-    for k_max in range(1, 5):
-        for _ in range(20):
-            rates = torch.rand(k_max, generator=generator).tolist()
-            weights = torch.rand(k_max + 1, generator=generator)
-            lengths = (weights / weights.sum()).tolist()
-            for k in range(k_max + 1):
-                assert tune.expected_tokens_per_step(rates, lengths, k) == pytest.approx(
-                    _enumerated_tokens(rates, lengths, k)), (rates, lengths, k)
-
-
-def test_expected_tokens_agrees_with_the_bench_model():
-    # One acceptance rate alpha for every position and proposals of exactly k on a fraction f of the steps: the
-    # bench's closed form (1 - f) + f (1 - alpha^(k+1)) / (1 - alpha).
-    for alpha, f, k in itertools.product([0.0, 0.3, 0.7, 1.0], [0.25, 1.0], [1, 3, 5]):
-        lengths = [1 - f] + [0.0] * (k - 1) + [f]
-        assert tune.expected_tokens_per_step([alpha] * k, lengths, k) == pytest.approx(
-            costs.expected_tokens_per_step(alpha, k, f))
-
-
-def test_step_seconds_and_prediction_hand_computed():
+def test_prediction_hand_computed():
+    # The analytic model's formulas are tested in tests/test_speedup_model.py; here tune's use of them.
     forward = {1: 10.0, 2: 12.0, 3: 14.0}
-    lengths = [0.5, 0.0, 0.5]
-    # K=2: half the steps verify 1 row (10), half 3 rows (14); + 1 s of lookup per step; + 2 s per draft token
-    # x 1 draft token per step on average.
-    assert tune.step_seconds(lengths, 2, forward) == pytest.approx(12.0)
-    assert tune.step_seconds(lengths, 2, forward, draft_s_per_step=1.0) == pytest.approx(13.0)
-    assert tune.step_seconds(lengths, 2, forward, 1.0, 2.0) == pytest.approx(15.0)
-    # K=1 cuts the 2-token proposals to 1: rows 1 or 2.
-    assert tune.step_seconds(lengths, 1, forward, 1.0, 2.0) == pytest.approx(0.5 * 10 + 0.5 * 12 + 1 + 0.5 * 2)
-    assert tune.forward_seconds({1: 10.0, 3: 14.0}, 2) == pytest.approx(12.0)
+    lengths = [0.5, 0.0, 0.5]  # half the steps propose nothing, half propose 2
     prediction = tune.predict([0.5, 0.5], lengths, 2, forward, 1.0, 2.0)
     assert prediction.tokens_per_step == pytest.approx(1.375)
     assert prediction.step_s == pytest.approx(15.0)
@@ -132,19 +70,6 @@ def test_step_seconds_and_prediction_hand_computed():
     # A free, always-right draft at K with flat forward costs: K + 1 times plain decoding.
     flat = {n: 1.0 for n in range(1, 6)}
     assert tune.predict([1.0] * 4, [0, 0, 0, 0, 1.0], 4, flat).speedup == pytest.approx(5.0)
-
-
-def test_fit_forward_costs():
-    line = {n: 10.0 + 2.0 * n for n in range(1, 8)}
-    assert tune.fit_forward_costs(line) == pytest.approx(line)
-    # A step where the kernels' tiles fill is kept (a line through it would misplace the best K).
-    step = {1: 12.9, 2: 14.2, 3: 15.5, 4: 15.6, 5: 16.5, 6: 17.4, 7: 20.7}
-    assert tune.fit_forward_costs(step) == pytest.approx(step)
-    # More rows never cost less: a falling run is pooled to its mean.
-    assert tune.fit_forward_costs({1: 5.0, 2: 4.0, 3: 3.0}) == pytest.approx({1: 4.0, 2: 4.0, 3: 4.0})
-    assert tune.fit_forward_costs({1: 10.0, 2: 14.0, 3: 12.0, 4: 15.0}) == \
-        pytest.approx({1: 10.0, 2: 13.0, 3: 13.0, 4: 15.0})
-    assert tune.fit_forward_costs({1: 7.0}) == {1: 7.0}
 
 
 def test_best_prediction_prefers_the_smaller_k_on_a_tie():
@@ -200,7 +125,7 @@ def test_rotation_order(monkeypatch):
         calls.append((engine, prompt_ids[0]))
         return RequestMetrics(num_prompt_tokens=1, num_generated_tokens=3, wall_time_s=1.0, first_token_time_s=0.5), [0]
 
-    monkeypatch.setattr(tune, "generate_once", fake_generate)
+    monkeypatch.setattr(tune_measure, "generate_once", fake_generate)  # what run_rotation calls
     totals = tune.run_rotation({"a": "A", "b": "B", "c": "C"}, [[0], [1], [2], [3]], GREEDY)
     assert calls == [("A", 0), ("B", 0), ("C", 0), ("B", 1), ("C", 1), ("A", 1), ("C", 2), ("A", 2), ("B", 2),
                      ("A", 3), ("B", 3), ("C", 3)]
@@ -219,15 +144,15 @@ def test_measured_speedup_is_the_median_of_the_prompts_ratios():
     # Prompt 3's plain run was caught in a burst (10x slower); a prompt that ended at once has no ratio.
     plain = totals("none", [(10, 1.0), (10, 1.0), (10, 10.0), (0, 0.0)])
     draft = totals("d", [(10, 0.5), (10, 0.8), (10, 0.5), (0, 0.0)])
-    measurement = tune._measurement(draft, plain)
+    measurement = tune_report._measurement(draft, plain)
     assert measurement.speedup == pytest.approx(2.0)  # median of 2.0, 1.25, 20.0
     assert measurement.pooled_speedup == pytest.approx((30 / 1.8) / (30 / 12.0))
     assert measurement.tokens == 30 and measurement.seconds == pytest.approx(1.8)
     # Pooled 6.7x against 2.0x by the median prompt: noisy, so decisions take the median.
     assert measurement.noisy and measurement.decision_speedup == pytest.approx(2.0)
     # A quiet pass: decisions take the pooled ratio (what the workload gets, and what --sweep compares).
-    quiet = tune._measurement(totals("d", [(10, 0.5), (10, 0.8), (10, 0.8)]),
-                              totals("none", [(10, 1.0), (10, 1.0), (10, 1.0)]))
+    quiet = tune_report._measurement(totals("d", [(10, 0.5), (10, 0.8), (10, 0.8)]),
+                                     totals("none", [(10, 1.0), (10, 1.0), (10, 1.0)]))
     assert not quiet.noisy and quiet.decision_speedup == pytest.approx(3.0 / 2.1)
     assert quiet.speedup == pytest.approx(1.25)
 
@@ -374,7 +299,7 @@ def test_prompts_that_end_at_once_are_reported():
 
 
 def test_noisy_measurements_are_flagged(monkeypatch):
-    measurement = tune._measurement
+    measurement = tune_report._measurement
 
     def with_a_burst(totals, plain):  # a plain run caught in someone else's work: the pooled ratio triples
         out = measurement(totals, plain)
@@ -382,7 +307,7 @@ def test_noisy_measurements_are_flagged(monkeypatch):
             out.pooled_speedup = 3 * out.speedup
         return out
 
-    monkeypatch.setattr(tune, "_measurement", with_a_burst)
+    monkeypatch.setattr(tune_tuning, "_measurement", with_a_burst)  # what tune() calls
     report = tune.tune(LLM(tiny_llama(seed=0, vocab_size=32, layers=2), dtype="float32"), PROMPTS, "ngram", 2, GREEDY)
     assert "note: the measured speedups are noisy (ngram: " in report.render()
 
@@ -489,7 +414,7 @@ def test_cli_checks_input_before_loading(tmp_path, argv, message, monkeypatch):
     def no_loading(args):
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(tune, "load_llm", no_loading)
+    monkeypatch.setattr(tune_cli, "load_llm", no_loading)  # what run_tune calls
     args = _tune_args(["--model", "smollm2-135m", *[a.format(tmp=tmp_path) for a in argv]])
     with pytest.raises(QuickdraftError, match=message):
         args.func(args)

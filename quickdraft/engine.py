@@ -38,7 +38,8 @@ class Engine:
                  eos_token_ids: set[int] | None = None, max_len: int | None = None, adaptive_k: bool = False,
                  relaxed_threshold: float | None = None):
         if num_speculative_tokens < 0:
-            raise QuickdraftError(f"num_speculative_tokens must be >= 0 (0: plain decoding), got {num_speculative_tokens}")
+            raise QuickdraftError("num_speculative_tokens must be >= 0 (0: plain decoding), "
+                                  f"got {num_speculative_tokens}")
         self.target = target
         self.proposer = proposer
         self.k = num_speculative_tokens

@@ -149,7 +149,8 @@ def test_multi_turn_outputs_equal_those_without_prefix_caching(params):
         off.generate([{"prompt_token_ids": p} for p in first_turns], params)
     assert [o.outputs[0].token_ids for o in outs_on] == [o.outputs[0].token_ids for o in outs_off]
     # The second turn re-sends the conversation: prompt + answer + a new message.
-    second = [p + o.outputs[0].token_ids + _tokens(6, seed=20 + i) for i, (p, o) in enumerate(zip(first_turns, outs_on))]
+    second = [p + o.outputs[0].token_ids + _tokens(6, seed=20 + i)
+              for i, (p, o) in enumerate(zip(first_turns, outs_on))]
     again_on = on.generate([{"prompt_token_ids": p} for p in second], params)
     again_off = off.generate([{"prompt_token_ids": p} for p in second], params)
     assert [o.outputs[0].token_ids for o in again_on] == [o.outputs[0].token_ids for o in again_off]

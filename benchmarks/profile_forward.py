@@ -58,7 +58,7 @@ def main() -> None:
         cache.rollback(args.context)
 
     def linears(runner, n: int) -> None:  # every linear layer of a forward on inputs of its shapes, nothing else
-        x = torch.randn(n, runner.config.hidden_size, dtype=torch.bfloat16)
+        x = torch.randn(n, runner.text_config.hidden_size, dtype=torch.bfloat16)
         for layer in runner.layers:
             layer.qkv(x)
             layer.o(torch.randn(n, layer.o.in_features, dtype=torch.bfloat16))

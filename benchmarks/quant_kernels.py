@@ -1,6 +1,6 @@
 """The quantized linear kernels alone, compute-bound: nanoseconds a weight and row for each GGUF block type, kernel
-(bf16; int8 and int16 digits an activation on vpdpbusd; the same on AMX-INT8 tiles where the CPU has them) and
-number of rows, on a matrix that stays in cache (so memory is not what is measured: the kernels' own cost).
+(bf16; int8 and int16 digits an activation on vpdpbusd; the same on AMX-INT8 tiles where the CPU has them, at
+every row count, to show the crossover the kernel's kAmxRows picks) and number of rows, on a matrix that stays in cache (so memory is not what is measured: the kernels' own cost).
 
     .venv/bin/python benchmarks/quant_kernels.py [--threads 1] [--repeats 20] [--rows 1,2,4,8,16,64]
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "models"))
 from test_quant_kernels import random_blocks  # noqa: E402  (random but valid GGUF blocks)
 
 from quickdraft import kernels  # noqa: E402
@@ -40,7 +40,7 @@ def main() -> None:
         variants += [("int8", False), ("int16", False)]
         if module.set_quant_amx(True) or module.quant_amx():
             variants += [("int8", True), ("int16", True)]
-    kernel_before, amx_before = module.quant_kernel(), module.quant_amx()
+    kernel_before, amx_before, amx_rows_before = module.quant_kernel(), module.quant_amx(), module.set_quant_amx_rows(1)
     print(f"ns a weight and row (fastest of {args.repeats}), {args.threads} thread(s), K = {args.cols}, "
           f"rows {'/'.join(map(str, row_counts))}")
     try:
@@ -65,6 +65,7 @@ def main() -> None:
     finally:
         module.set_quant_kernel(kernel_before)
         module.set_quant_amx(amx_before)
+        module.set_quant_amx_rows(amx_rows_before)
 
 
 if __name__ == "__main__":

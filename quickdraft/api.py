@@ -16,8 +16,7 @@ from quickdraft import kv, structured
 from quickdraft.drafts import METHODS, DraftContext, LoadedDraft, Proposer, SpeculativeConfig, build_proposer, read_config
 from quickdraft.engine import Engine, RequestMetrics
 from quickdraft.errors import QuickdraftError
-from quickdraft.models import loader
-from quickdraft.models.runner import RUNNERS, make_runner
+from quickdraft.models import RUNNERS, loader, make_runner
 from quickdraft.params import SEED_MAX, SEED_MIN, SamplingParams
 from quickdraft.sampling import derive_key
 from quickdraft.scheduler import Request, Scheduler

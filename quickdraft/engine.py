@@ -18,7 +18,7 @@ import torch
 from quickdraft import adaptive, sampling, verify
 from quickdraft.drafts.base import Proposal, Proposer
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.runner import Runner
+from quickdraft.models.base import Runner
 from quickdraft.params import SamplingParams
 from quickdraft.sequence import Logprob, PositionLogprobs, RequestMetrics, Sequence, prefetch_log_noise
 from quickdraft.step_batch import StepBatch

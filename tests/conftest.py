@@ -52,6 +52,36 @@ def tiny_gemma3(seed: int = 0, vocab_size: int = 32, layers: int = 4, sliding_wi
     return _sharpen(Gemma3ForCausalLM(config).eval())
 
 
+def _kernel_sized(config_class, model_class, seed: int, layers: int, **overrides):
+    """A tiny model of head_dim 16, the smallest shape quickdraft's CPU kernels take."""
+    torch.manual_seed(seed)
+    config = config_class(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          eos_token_id=None, bos_token_id=None, pad_token_id=None, **overrides)
+    return _sharpen(model_class(config).eval())
+
+
+def tiny_llama16(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _kernel_sized(LlamaConfig, LlamaForCausalLM, seed, layers=4)
+
+
+def tiny_gemma16(seed: int = 0):
+    """A Gemma 3 with a sliding window of 4."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return _kernel_sized(Gemma3TextConfig, Gemma3ForCausalLM, seed, layers=4, head_dim=16,
+                         sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2)
+
+
+def tiny_qwen2(seed: int = 0):
+    """A Qwen2: q/k/v projections with biases."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _kernel_sized(Qwen2Config, Qwen2ForCausalLM, seed, layers=2)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The packaged SmolLM2-135M-Instruct as a plain (non-speculative) LLM, float32 on CPU."""

@@ -225,7 +225,7 @@ def test_analytic_model():
 def test_hf_assisted_runner_is_exact():
     from quickdraft import LLM, SamplingParams
     from quickdraft.bench.methods import MethodSpec, Target, TransformersRunner
-    from quickdraft.models.runner import HFRunner
+    from quickdraft.models.hf import HFRunner
 
     model = tiny_llama(vocab_size=len(WORDS), layers=2)
     target = Target(HFRunner(model), None, "tiny", None, set())

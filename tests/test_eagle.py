@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import tiny_gemma3, tiny_llama
-from test_native import tiny_gemma16, tiny_llama16
+from conftest import tiny_gemma16, tiny_llama16
 from quickdraft import LLM, SamplingParams
 from quickdraft.drafts import eagle
 from quickdraft.errors import QuickdraftError

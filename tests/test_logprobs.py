@@ -14,7 +14,7 @@ from conftest import tiny_llama
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import cpu_linear
-from test_native import tiny_llama16
+from conftest import tiny_llama16
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_kernels = pytest.mark.skipif(cpu_linear() is None, reason="quickdraft's CPU kernels need AVX512-BF16")

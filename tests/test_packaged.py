@@ -124,7 +124,7 @@ def test_native_runner_matches_transformers_on_packaged_models(fixture, request)
 
     from quickdraft.cache import SequenceCache
     from quickdraft.models.native import NativeRunner
-    from quickdraft.models.runner import HFRunner
+    from quickdraft.models.hf import HFRunner
 
     llm = request.getfixturevalue(fixture)
     assert isinstance(llm.target, NativeRunner)
@@ -176,11 +176,11 @@ def test_gguf_blocks_are_the_dequantized_models_weights(fixture, request):
     import torch
 
     from quickdraft.models import gguf_weights
-    from quickdraft.models.native import _text_config
+    from quickdraft.models.config import get_text_config
 
     llm = request.getfixturevalue(fixture)  # float32: transformers' dequantized weights, unreleased
     model = llm.target.model
-    weights = gguf_weights.read(llm.source.gguf_path, _text_config(model))
+    weights = gguf_weights.read(llm.source.gguf_path, get_text_config(model.config))
     inner = model.model
     modules = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
                "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}

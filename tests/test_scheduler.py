@@ -54,7 +54,7 @@ def test_batched_output_equals_batch_1(build, method):
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "quantized"])
 def test_batched_bf16_on_the_kernels_equals_batch_1(method):
     """bf16 on the kernels computes every row alike: batched greedy output is bitwise batch 1's."""
-    from test_native import tiny_gemma16, tiny_llama16
+    from conftest import tiny_gemma16, tiny_llama16
 
     for build in (tiny_llama16, tiny_gemma16):
         target = build(seed=0).to(torch.bfloat16)

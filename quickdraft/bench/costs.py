@@ -99,20 +99,6 @@ def measure_read_bandwidth(device: torch.device, size_bytes: int = 1 << 30, repe
     return size_bytes / statistics.median(times)
 
 
-def weight_bytes(runner) -> int:
-    """Bytes of weights one decoding step reads: every parameter but the input embedding (of which a step
-    reads a row), counted once when the output head shares it."""
-    if hasattr(runner, "weight_bytes"):
-        return int(runner.weight_bytes)
-    model = runner.model
-    embedding = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if embedding.data_ptr() != head.data_ptr():
-        total -= embedding.numel() * embedding.element_size()
-    return total
-
-
 def runner_costs(runners: dict[str, object], context_ids: Sequence[int], k: int, bandwidth: float,
                  repeats: int) -> dict[str, dict[str, float]]:
     """For each runner: one-token and (k+1)-token forward times, and the one-token forward against the floor
@@ -123,7 +109,7 @@ def runner_costs(runners: dict[str, object], context_ids: Sequence[int], k: int,
         # context's ids folded into its own.
         ids = [t % runner.vocab_size for t in context_ids]
         forward = measure_target_forward(runner, ids, [1, k + 1], repeats)
-        size = weight_bytes(runner)
+        size = int(runner.weight_bytes)  # the bytes of weights one decoding step reads
         floor = size / bandwidth
         out[name] = {"weight_MB": size / 1e6, "floor_ms": 1e3 * floor, "forward_1_ms": 1e3 * forward[1],
                      f"forward_{k + 1}_ms": 1e3 * forward[k + 1], "forward_1_over_floor": forward[1] / floor,

@@ -35,7 +35,7 @@ def explain(target, prefix: list[int], token: int | None, ref_token: int | None)
     target: the target's runner (its own weights: a quantized runner's, not a dequantized copy's), or a
     transformers model."""
     if isinstance(target, torch.nn.Module):
-        from quickdraft.models.runner import HFRunner
+        from quickdraft.models.hf import HFRunner
 
         target = HFRunner(target)
     logits = target.forward(target.new_cache(), torch.tensor(prefix), 1)[0].float()

@@ -20,7 +20,7 @@ from quickdraft.bench import METHOD_HELP
 from quickdraft.engine import RequestMetrics
 from quickdraft.errors import QuickdraftError, TokenizerMismatchError
 from quickdraft.models import loader
-from quickdraft.models.runner import HFRunner
+from quickdraft.models.hf import HFRunner
 from quickdraft.params import SamplingParams
 
 REFERENCES = ("none", "hf", "llamacpp")  # the baselines speedups are measured against
@@ -142,7 +142,7 @@ class Target:
         """The transformers model (for the transformers baselines). A runner that keeps a GGUF model's
         quantized blocks has released the transformers copies of those weights: the baselines then get the
         dequantized model, loaded once here (transformers has no kernels for the quantized blocks)."""
-        if getattr(self.runner, "quantized_weights", None) is None:
+        if self.runner.quantized_weights is None:
             return self.runner.model
         if self._dequantized is None:
             if self.source is None:

@@ -238,11 +238,11 @@ def _run_batch_sweep(cfg, records, prompts, runners, target, forward_s, bandwidt
 def _cost_runners(reference, runners) -> dict:
     """The runners whose forward the bench times against the bandwidth floor: the target's (and the
     transformers forward of the same model, for comparison) and each quickdraft draft model's."""
-    from quickdraft.models.runner import HFRunner
+    from quickdraft.models.hf import HFRunner
 
     out = {f"target ({type(reference.target).__name__})": reference.target}
     # (The transformers forward of a target kept quantized would need a second, dequantized copy: not timed.)
-    if not isinstance(reference.target, HFRunner) and getattr(reference.target, "quantized_weights", None) is None:
+    if reference.target.kind != "hf" and reference.target.quantized_weights is None:
         out["target (HFRunner)"] = HFRunner(reference.target.model)
     for runner in runners:
         proposer = getattr(getattr(runner, "llm", None), "proposer", None)

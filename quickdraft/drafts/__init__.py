@@ -21,7 +21,7 @@ from quickdraft.drafts.none import NoDraft
 from quickdraft.drafts.quantized import QuantizedSelfProposer
 from quickdraft.drafts.suffix import SuffixProposer
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.native import QUANTIZATION_SCHEMES
+from quickdraft.models.base import QUANTIZATION_SCHEMES
 
 PROPOSERS: dict[str, type[Proposer]] = {cls.name: cls for cls in (
     NoDraft, NgramProposer, DraftModelProposer, LayerSkipProposer, QuantizedSelfProposer, SuffixProposer,

@@ -10,7 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from quickdraft.drafts import SpeculativeConfig
-    from quickdraft.models.runner import Runner
+    from quickdraft.models.base import Runner
     from quickdraft.sequence import Sequence
 
 

@@ -26,7 +26,7 @@ import torch
 
 from quickdraft.drafts.draft_model import DraftModelProposer
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.runner import Runner
+from quickdraft.models.base import Runner
 from quickdraft.token_bytes import token_bytes
 
 def _by_bytes(table: dict[int, bytes], fallback: set[int], limit: int) -> dict[bytes, int]:

@@ -14,7 +14,7 @@ import torch
 from quickdraft import sampling
 from quickdraft.drafts.base import Proposal, Proposer
 from quickdraft.errors import TokenizerMismatchError
-from quickdraft.models.runner import Runner
+from quickdraft.models.base import Runner
 
 
 def same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> bool:

@@ -44,8 +44,8 @@ from quickdraft import sampling
 from quickdraft.drafts.base import Proposal, Proposer
 from quickdraft.drafts.suffix import SuffixProposer
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.native import Linear, NativeRunner, supports
-from quickdraft.models.native import _text_config as text_config
+from quickdraft.models.linear import DenseLinear
+from quickdraft.models.native import NativeRunner, supports
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "heads"
 HEAD_FILE, CONFIG_FILE = "head.safetensors", "config.json"
@@ -142,16 +142,10 @@ class EagleHead(nn.Module):
         (directory / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
 
 
-def final_norm_weight(target) -> torch.Tensor:
-    model = target.model
-    inner = getattr(model, getattr(model, "base_model_prefix", "model"))
-    return inner.norm.weight.detach().float().cpu()
-
-
 def new_head(target, vocab_ids: torch.Tensor, seed: int = 0) -> EagleHead:
     """An untrained head for `target` (a Runner) over the reduced vocabulary `vocab_ids` (target token ids)."""
     torch.manual_seed(seed)
-    return EagleHead(text_config(target.model), vocab_ids, target.output_rows(vocab_ids), final_norm_weight(target))
+    return EagleHead(target.text_config, vocab_ids, target.output_rows(vocab_ids), target.final_norm_weight())
 
 
 def read_head_config(directory: str | Path) -> dict[str, Any]:
@@ -175,7 +169,7 @@ def load_head(directory: str | Path, target) -> EagleHead:
 
     directory = Path(directory)
     config = read_head_config(directory)
-    want = fingerprint(text_config(target.model))
+    want = fingerprint(target.text_config)
     if config["target"] != want:
         raise QuickdraftError(f"the EAGLE head {directory} was trained for a target {config['target']}, not this "
                               f"one {want}; train one for it with `quickdraft distill`")
@@ -188,7 +182,7 @@ def load_head(directory: str | Path, target) -> EagleHead:
     if vocab_ids.numel() == 0 or int(vocab_ids.max()) >= target.vocab_size or int(vocab_ids.min()) < 0:
         raise QuickdraftError(f"the EAGLE head {directory} has a vocabulary map outside the target's "
                               f"{target.vocab_size} tokens")
-    head = EagleHead(text_config(target.model), vocab_ids, target.output_rows(vocab_ids))
+    head = EagleHead(target.text_config, vocab_ids, target.output_rows(vocab_ids))
     missing, unexpected = head.load_state_dict(state, strict=False)
     trained = {name for name, p in head.named_parameters() if p.requires_grad}
     if set(missing) & trained or unexpected:
@@ -199,7 +193,7 @@ def load_head(directory: str | Path, target) -> EagleHead:
 
 def shipped_head(target) -> Path | None:
     """The packaged head trained for a target of this family and shape, if there is one."""
-    want = fingerprint(text_config(target.model))
+    want = fingerprint(target.text_config)
     for config_path in sorted(SHIPPED_HEADS.glob(f"*/{CONFIG_FILE}")):
         try:
             if json.loads(config_path.read_text()).get("target") == want:
@@ -243,8 +237,8 @@ class EagleProposer(Proposer):
         reason = supports(model)
         if reason:
             raise QuickdraftError(f"eagle: the head of this family cannot run natively ({reason})")
-        self.runner = NativeRunner(model, name=f"{getattr(target, 'name', 'target')}[eagle head]")
-        self.fc = Linear(head.fc.weight.detach().to(device=target.device, dtype=target.dtype).contiguous())
+        self.runner = NativeRunner(model, name=f"{target.name}[eagle head]")
+        self.fc = DenseLinear(head.fc.weight.detach().to(device=target.device, dtype=target.dtype).contiguous())
         self.vocab_ids = head.vocab_ids.to(target.device)  # [V'] target ids of the head's rows
         self.target_vocab_size = target.vocab_size
         self.hidden_size = head.hidden_size
@@ -260,7 +254,7 @@ class EagleProposer(Proposer):
             if path is None:
                 raise QuickdraftError(
                     f"eagle: no EAGLE head ships for {context.target_name} "
-                    f"({fingerprint(text_config(target.model))}); train one with `quickdraft distill --model "
+                    f"({fingerprint(target.text_config)}); train one with `quickdraft distill --model "
                     f"{context.target_name} --out HEAD_DIR` and pass speculative_config['model'] = HEAD_DIR")
         head = load_head(path, target)
         lookup = SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_tokens,

@@ -4,7 +4,7 @@ as in LayerSkip / Draft & Verify). The view shares the target's weights; only it
 from __future__ import annotations
 
 from quickdraft.drafts.draft_model import DraftModelProposer
-from quickdraft.models.runner import Runner
+from quickdraft.models.base import Runner
 
 
 class LayerSkipProposer(DraftModelProposer):

@@ -11,8 +11,7 @@ never the text."""
 from __future__ import annotations
 
 from quickdraft.drafts.draft_model import DraftModelProposer
-from quickdraft.models.native import QUANTIZATION_SCHEMES
-from quickdraft.models.runner import Runner
+from quickdraft.models.base import QUANTIZATION_SCHEMES, Runner
 
 
 class QuantizedSelfProposer(DraftModelProposer):

@@ -21,6 +21,7 @@ std::string get_quant_kernel();
 std::string set_quant_kernel(const std::string& name);
 bool get_quant_amx();
 bool set_quant_amx(bool on);
+int64_t set_quant_amx_rows(int64_t rows);
 torch::Tensor attention(const torch::Tensor& q, int64_t num_q_heads, const torch::Tensor& keys,
                         const torch::Tensor& values, int64_t start, int64_t window, double scale);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool llama_style);
@@ -190,6 +191,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_amx", &get_quant_amx, "whether the integer quantized kernels run calls of many rows on AMX-INT8 tiles");
   m.def("set_quant_amx", &set_quant_amx, "AMX-INT8 tiles for calls of many rows on (where the CPU has them) or off; "
         "returns the setting before");
+  m.def("set_quant_amx_rows", &set_quant_amx_rows, "from how many rows the integer kernels use AMX-INT8 tiles "
+        "(0: the measured default); returns the setting before");
   m.def("dequantize_rows", &dequantize_rows, "rows of a packed quantized weight as float32 (the embedding lookup)");
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, double, double, bool, bool>())

@@ -9,10 +9,12 @@
 // Numerics. Each row of x is quantized on its own, per block of the weight's block size (32; 256 for the
 // K-quants): v = round(x / s), s = max|x| / R, as one int8 digit (R = 127: llama.cpp's Q8_K way) or two
 // (v = 256 h + l, h and l int8, R = 32639: |x - s v| <= max|x| / 65278, about 2^-16 of the block's max). A
-// sub-block's dot product of the codes q with v is exact in int32, the zero point included (sum q v - z sum v);
-// it becomes float32 once a sub-block: y += (float(dot) * scale_j) * s (+ min_j * (s * sum v)). A row's outputs go
-// through the same operations in the same order whatever the other rows, their number, the tiling or the
-// threads: bitwise the same alone or in a batch.
+// sub-block's dot product of the codes q with v is exact in int32, the zero point included (sum q v - z sum v).
+// Blocks of 32 become float32 a block at a time: y += (float(dot) * d) * s (+ m * (s sum v)). The K-quants'
+// sub-block scales are integers (Q4_K 6 bits, Q6_K int8): a super-block's sum_j sc_j float(dot_j) (its dots exact in
+// float32: below 2^24) is scaled by d * s once (one s per 256 inputs), its mins -dmin m_j (s sum v_j) added
+// then. A row's outputs go through the same operations in the same order whatever the other rows, their number,
+// the tiling (vpdpbusd or AMX tiles) or the threads: bitwise the same alone or in a batch.
 //
 // Layout: the chunks of cpu_quant.cpp as they are. A nibble vector (64 bytes: 8 inputs of 16 outputs) read as 16
 // int32 lanes holds in lane n the nibbles of output n for inputs 0, 2, 4, 6 (low 16 bits) and 1, 3, 5, 7: masked,
@@ -46,10 +48,13 @@ struct Activations {
   int64_t M = 0, K = 0, block = 0;  // block: inputs per scale
   int digits = 1;
   bool nibble_order = true;  // inputs of each 8 in the order (0, 4, 1, 5, 2, 6, 3, 7); else as they come
-  std::vector<int8_t> high, low;   // [M, K]: the digits (low: two digits only)
+  // [rows * digits, K]: digit e of row m (0 the high, 1 the low) at row m * digits + e, so that one AMX A tile
+  // holds both digits of its rows (one tile product for both).
+  std::vector<int8_t> digits_;
   std::vector<float> scale;        // [M, K / block]
   std::vector<int32_t> sum16;      // [M, K / 16]: sum of v over each 16 inputs
   std::vector<float> sum32;        // [M, K / 32]: s * sum of v over each 32 (the mins' term)
+  const int8_t* digit(int64_t m, int e) const { return digits_.data() + (m * digits + e) * K; }
 };
 
 constexpr float kRange[3] = {0.0f, 127.0f, 32639.0f};
@@ -77,13 +82,14 @@ void quantize_row(const c10::BFloat16* x, Activations& a, int64_t m) {
       v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
       if (a.nibble_order) v = _mm512_permutexvar_epi32(order, v);
       a.sum16[at / 16] = _mm512_reduce_add_epi32(v);
+      int8_t* high = a.digits_.data() + (m * a.digits) * K + b * B + k;
       if (a.digits == 1) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.high[at]), _mm512_cvtepi32_epi8(v));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(high), _mm512_cvtepi32_epi8(v));
       } else {
         const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(128)), 8);
         const __m512i l = _mm512_sub_epi32(v, _mm512_slli_epi32(h, 8));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.high[at]), _mm512_cvtepi32_epi8(h));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(&a.low[at]), _mm512_cvtepi32_epi8(l));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(high), _mm512_cvtepi32_epi8(h));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(high + K), _mm512_cvtepi32_epi8(l));
       }
     }
   }
@@ -97,8 +103,7 @@ void quantize_row(const c10::BFloat16* x, Activations& a, int64_t m) {
 void quantize(const c10::BFloat16* x, int64_t M, int64_t rows, int64_t K, int64_t block, int digits,
               bool nibble_order, Activations& a) {
   a.M = M, a.K = K, a.block = block, a.digits = digits, a.nibble_order = nibble_order;
-  a.high.assign(rows * K, 0);
-  a.low.assign(digits == 2 ? rows * K : 0, 0);
+  a.digits_.assign(rows * digits * K, 0);
   a.scale.assign(rows * (K / block), 0.0f);
   a.sum16.assign(rows * (K / 16), 0);
   a.sum32.assign(rows * (K / 32), 0.0f);
@@ -118,6 +123,8 @@ inline __m512i shift_bits(__m512i v, int from, int to) {
 
 struct Q4_0V : Q4_0Layout {
   static constexpr bool kNibbles = true;
+  static __m512 sub_scale(const uint8_t* c, int j) { return scale(c, j); }
+  static __m512 sub_min(const uint8_t* c, int j) { return min(c, j); }
   static void codes(const uint8_t* c, int u, __m512i& a, __m512i& b) {
     const __m512i v = load(c + u * 64);
     a = low_nibbles(v), b = high_nibbles(v);
@@ -125,15 +132,25 @@ struct Q4_0V : Q4_0Layout {
 };
 struct Q4_1V : Q4_1Layout {
   static constexpr bool kNibbles = true;
+  static __m512 sub_scale(const uint8_t* c, int j) { return scale(c, j); }
+  static __m512 sub_min(const uint8_t* c, int j) { return min(c, j); }
   static void codes(const uint8_t* c, int u, __m512i& a, __m512i& b) { Q4_0V::codes(c, u, a, b); }
 };
 struct Q4_KV : Q4_KLayout {
   static constexpr bool kNibbles = true;
   static void codes(const uint8_t* c, int u, __m512i& a, __m512i& b) { Q4_0V::codes(c, u, a, b); }
+  static __m512 super_scale(const uint8_t* c) { return half16(c + 2048); }  // d
+  static __m512 sub_scale(const uint8_t* c, int j) { return u8x16(c + 2112 + 16 * j); }  // sc_j, an integer
+  static void mins(const uint8_t* c, __m512* mn) {  // -dmin * m_j
+    const __m512 minus_dmin = _mm512_sub_ps(_mm512_setzero_ps(), half16(c + 2080));
+    for (int j = 0; j < kSubs; ++j) mn[j] = _mm512_mul_ps(u8x16(c + 2240 + 16 * j), minus_dmin);
+  }
 };
 
 struct Q5_0V : Q5_0Layout {
   static constexpr bool kNibbles = true;
+  static __m512 sub_scale(const uint8_t* c, int j) { return scale(c, j); }
+  static __m512 sub_min(const uint8_t* c, int j) { return min(c, j); }
   static void codes(const uint8_t* c, int u, __m512i& a, __m512i& b) {
     Q4_0V::codes(c, u, a, b);
     const __m512i plane = load(c + 256), bit4 = _mm512_set1_epi8(0x10);  // bit 2u + half of each byte
@@ -151,10 +168,15 @@ struct Q6_KV : Q6_KLayout {
     a = _mm512_ternarylogic_epi32(bits45, shift_bits(plane, at, 4), a, 0xCA);
     b = _mm512_ternarylogic_epi32(bits45, shift_bits(plane, at + 2, 4), b, 0xCA);
   }
+  static __m512 super_scale(const uint8_t* c) { return half16(c + 3072); }  // d
+  static __m512 sub_scale(const uint8_t* c, int j) { return i8x16(c + 3104 + 16 * j); }  // sc_j, an integer
+  static void mins(const uint8_t*, __m512*) {}
 };
 
 struct Q8_0V : Q8_0Layout {
   static constexpr bool kNibbles = false;
+  static __m512 sub_scale(const uint8_t* c, int j) { return scale(c, j); }
+  static __m512 sub_min(const uint8_t* c, int j) { return min(c, j); }
   static void codes(const uint8_t* c, int u, __m512i& a, __m512i& b) {
     // word n of a 32-byte step holds inputs (2p, 2p+1) of output n: interleave two steps' words
     const __m512i words = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
@@ -166,6 +188,38 @@ struct Q8_0V : Q8_0Layout {
   }
 };
 
+// --- the float finish, op for op the same in tile() and amx_groups() ------------------------------------------
+// (so a row's bits do not depend on which kernel ran it: the integer dots are exact either way). Blocks of 32: y +=
+// (float(dot) * d) * s (+ m * (s sum v)), a block at a time. K-quants: a sub-block's dot times its integer scale
+// sc_j goes into the super-block's float sum, which d * s scales once a super-block (s is one per 256 inputs);
+// the mins' terms, -dmin m_j * (s sum v_j), follow then in sub-block order. Vector operations a sub-block and
+// row: Q4_K two digits 6 -> 4 (shared by the rows: 11 -> 2). Measured (benchmarks/quant_kernels.py, one thread,
+// vpdpbusd, ns a weight and row, before -> after, one run each): two digits Q6_K at 1 row 0.0335 -> 0.0278, at 8
+// rows 0.0140 -> 0.0123; Q4_K at 2 rows 0.0143 -> 0.0124, at 8 0.0098 -> 0.0092; one digit Q6_K at 8 rows 0.0094
+// -> 0.0079. Blocks of 32 are unchanged.
+
+inline __m512i combine(__m512i high, __m512i low) { return _mm512_add_epi32(_mm512_slli_epi32(high, 8), low); }
+
+template <class Q>
+inline __m512 add_block(__m512 total, __m512i dot, __m512 d, __m512 mn, float s, float sum32) {
+  total = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), d), _mm512_set1_ps(s), total);
+  if constexpr (Q::kMin) total = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum32), total);
+  return total;
+}
+
+inline __m512 add_sub_block(__m512 part, __m512i dot, __m512 sc) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, part);
+}
+
+// mn[j] = -dmin m_j, sum32[j] = s * sum v over sub-block j (Q4_K's sub-blocks are 32 inputs)
+template <class Q>
+inline __m512 add_super_block(__m512 total, __m512 part, __m512 d, float s, const __m512* mn, const float* sum32) {
+  total = _mm512_fmadd_ps(part, _mm512_mul_ps(d, _mm512_set1_ps(s)), total);
+  if constexpr (Q::kMin)
+    for (int j = 0; j < Q::kSubs; ++j) total = _mm512_fmadd_ps(mn[j], _mm512_set1_ps(sum32[j]), total);
+  return total;
+}
+
 // --- the kernel -----------------------------------------------------------------------------------------------
 
 // Rows m0 .. m0+MR of the activations by NB groups of 16 outputs, over all of K, with D digits an activation.
@@ -173,6 +227,7 @@ struct Q8_0V : Q8_0Layout {
 template <class Q, int MR, int NB, int D, class Y>
 void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_bytes, int64_t super_blocks,
           Y* y, int64_t ldy) {
+  constexpr bool kSuper = Q::kSubs > 1;
   const int64_t K = a.K, scales_per_row = K / a.block;
   const int8_t* high[MR];
   const int8_t* low[MR];
@@ -180,8 +235,8 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_byte
   const int32_t* sum16[MR];
   const float* sum32[MR];
   for (int m = 0; m < MR; ++m) {
-    high[m] = a.high.data() + (m0 + m) * K;
-    low[m] = D == 2 ? a.low.data() + (m0 + m) * K : nullptr;
+    high[m] = a.digit(m0 + m, 0);
+    low[m] = D == 2 ? a.digit(m0 + m, 1) : nullptr;
     scale[m] = a.scale.data() + (m0 + m) * scales_per_row;
     sum16[m] = a.sum16.data() + (m0 + m) * (K / 16);
     sum32[m] = a.sum32.data() + (m0 + m) * (K / 32);
@@ -199,6 +254,9 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_byte
       for (int line = 0; line < Q::kChunk; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(chunk[j] + kAhead * Q::kChunk + line), _MM_HINT_T0);
     const int64_t k0 = b * Q::SB;
+    __m512 part[MR][NB];  // K-quants: the super-block's sum of sc_j float(dot_j)
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NB; ++j) part[m][j] = _mm512_setzero_ps();
     for (int s = 0; s < Q::kSubs; ++s) {
       const int64_t ks = k0 + s * Q::kSubK;
       __m512i acc[MR][NB], acc_low[MR][NB];
@@ -231,15 +289,24 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_byte
         }
       }
       for (int j = 0; j < NB; ++j) {
-        const __m512 sc = Q::scale(chunk[j], s);
-        const __m512 mn = Q::min(chunk[j], s);
+        const __m512 sc = Q::sub_scale(chunk[j], s);
+        __m512 mn = _mm512_setzero_ps();
+        if constexpr (!kSuper) mn = Q::sub_min(chunk[j], s);
         for (int m = 0; m < MR; ++m) {
           __m512i dot = acc[m][j];
-          if constexpr (D == 2) dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), acc_low[m][j]);
-          const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sc);
-          total[m][j] = _mm512_fmadd_ps(part, _mm512_set1_ps(scale[m][ks / a.block]), total[m][j]);
-          if constexpr (Q::kMin) total[m][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum32[m][ks / 32]), total[m][j]);
+          if constexpr (D == 2) dot = combine(dot, acc_low[m][j]);
+          if constexpr (kSuper) part[m][j] = add_sub_block(part[m][j], dot, sc);
+          else total[m][j] = add_block<Q>(total[m][j], dot, sc, mn, scale[m][ks / a.block], sum32[m][ks / 32]);
         }
+      }
+    }
+    if constexpr (kSuper) {
+      for (int j = 0; j < NB; ++j) {
+        const __m512 d = Q::super_scale(chunk[j]);
+        __m512 mn[Q::kMin ? Q::kSubs : 1];
+        Q::mins(chunk[j], mn);
+        for (int m = 0; m < MR; ++m)
+          total[m][j] = add_super_block<Q>(total[m][j], part[m][j], d, scale[m][b], mn, sum32[m] + k0 / 32);
       }
     }
   }
@@ -276,9 +343,10 @@ void groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y
 
 // --- AMX-INT8 tiles, for many rows -------------------------------------------------------------------------
 // The same integer dot products on tiles. For a sub-block, the B tile is the code vectors as codes() gives them
-// (row 2i + half: 4 inputs of 16 outputs, 64 bytes: exactly AMX's B layout), the A tile the rows' activation
-// digits (the same bytes in the same order), and C[m][n] the exact int32 dot; the float finish is tile()'s, op
-// for op, so each row's outputs are bitwise those of the vpdpbusd kernel (integer sums have no rounding).
+// (row 2i + half: 4 inputs of 16 outputs, 64 bytes: exactly AMX's B layout), the A tile TR rows of activation
+// digits (the same bytes in the same order: with two digits, the high and low digit of TR / 2 rows, interleaved),
+// and C[r][n] the exact int32 dot; the float finish is tile()'s, op for op, so each row's outputs are bitwise those
+// of the vpdpbusd kernel (integer sums have no rounding).
 
 struct TileConfig {
   uint8_t palette_id = 1;
@@ -288,86 +356,104 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Groups [g0, g1), one at a time, rows in tiles of R (the activations are padded with zero rows to a multiple
-// of R). B holds the codes less their zero point (signed bytes, tdpbssd): the same integer as the
-// vpdpbusd kernel's sum q v - z sum v, without the correction. A super-block's codes are unpacked first and
-// its tile products all issued before any is finished, so that the tiles' latency overlaps (measured: a
-// sub-block at a time, unpack, multiply, finish, ran no faster than vpdpbusd). One digit: tiles 0/1 A, 2/5 B,
-// 3/4 C, alternating by sub-block; two digits: 0 A high, 1 A low, 2 B, 3 and 4 C of the high and low digits.
-template <class Q, int D, int R, class Y>
+// Groups [g0, g1), one at a time; rows in passes of R = TR / D (the activations are padded with zero rows to a
+// multiple of R). B holds the codes less their zero point (signed bytes, tdpbssd): the same integer as the
+// vpdpbusd kernel's sum q v - z sum v, without the correction. Eight sub-blocks' codes are unpacked at a time,
+// once for all passes, and a pass's tile products all issued before any is finished, so that the tiles' latency
+// overlaps (measured: a sub-block at a time, unpack, multiply, finish, ran no faster than vpdpbusd). Tiles 0/1 A,
+// 2/5 B, 3/4 C, alternating by sub-block.
+template <class Q, int D, int TR, class Y>
 __attribute__((target("avx512vnni,amx-tile,amx-int8")))
 void amx_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y, int64_t ldy) {
+  constexpr int R = TR / D;
+  constexpr bool kSuper = Q::kSubs > 1;
   const int64_t M = a.M, K = a.K, super_blocks = K / Q::SB, group_bytes = super_blocks * Q::kChunk;
+  const int64_t passes = (M + R - 1) / R, scales_per_row = K / a.block;
   constexpr int kUnits = Q::kSubK / 8, kRowsB = Q::kSubK / 4;
   constexpr int kBatch = 8;  // sub-blocks unpacked and multiplied before the first of them is finished
   constexpr int kAhead = (8192 + Q::kChunk - 1) / Q::kChunk;
   const int64_t subs = super_blocks * Q::kSubs;  // sub-block t: chunk t / kSubs, its sub-block t % kSubs
   alignas(64) uint8_t codes[kBatch][kRowsB * 64];
-  alignas(64) int32_t dots[kBatch][D][R * 16];  // [sub-block][digit][row * 16 + output]
+  alignas(64) int32_t dots[kBatch][TR * 16];  // [sub-block][row * D + digit][output]
+  std::vector<float> total(passes * R * 16), part(kSuper ? passes * R * 16 : 0);  // [row][output]
+  auto at = [](std::vector<float>& v, int64_t row) { return v.data() + row * 16; };
   TileConfig config;
-  for (int t : {0, 1}) config.rows[t] = R, config.colsb[t] = Q::kSubK;
+  for (int t : {0, 1}) config.rows[t] = TR, config.colsb[t] = Q::kSubK;
   for (int t : {2, 5}) config.rows[t] = kRowsB, config.colsb[t] = 64;
-  for (int t : {3, 4}) config.rows[t] = R, config.colsb[t] = 64;
+  for (int t : {3, 4}) config.rows[t] = TR, config.colsb[t] = 64;
   _tile_loadconfig(&config);
   const __m512i zero_point = _mm512_set1_epi8(static_cast<char>(Q::kZero));
-  for (int64_t m0 = 0; m0 < M; m0 += R) {
-    const int rows = static_cast<int>(std::min<int64_t>(R, M - m0));
-    for (int64_t g = g0; g < g1; ++g) {
-      __m512 total[R];
-      for (int m = 0; m < R; ++m) total[m] = _mm512_setzero_ps();
-      for (int64_t t0 = 0; t0 < subs; t0 += kBatch) {
-        const int batch = static_cast<int>(std::min<int64_t>(kBatch, subs - t0));
-        for (int i = 0; i < batch; ++i) {
-          const int64_t t = t0 + i;
-          const uint8_t* chunk = w + g * group_bytes + (t / Q::kSubs) * Q::kChunk;
-          if (t % Q::kSubs == 0)
-            for (int line = 0; line < Q::kChunk; line += 64)
-              _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead * Q::kChunk + line), _MM_HINT_T0);
-          for (int u = 0; u < kUnits; ++u) {
-            __m512i ca, cb;
-            Q::codes(chunk, static_cast<int>(t % Q::kSubs) * kUnits + u, ca, cb);
-            _mm512_store_si512(codes[i] + (2 * u) * 64, _mm512_sub_epi8(ca, zero_point));
-            _mm512_store_si512(codes[i] + (2 * u + 1) * 64, _mm512_sub_epi8(cb, zero_point));
-          }
-        }
-        for (int i = 0; i < batch; ++i) {  // tile numbers must be immediates: even and odd ones spelled out
-          const int64_t k = (t0 + i) * Q::kSubK;
-          const int8_t* high = a.high.data() + m0 * K + k;
-          if constexpr (D == 2) {
-            _tile_loadd(2, codes[i], 64);
-            _tile_loadd(0, high, K);
-            _tile_loadd(1, a.low.data() + m0 * K + k, K);
-            _tile_zero(3); _tile_zero(4);
-            _tile_dpbssd(3, 0, 2); _tile_dpbssd(4, 1, 2);
-            _tile_stored(3, dots[i][0], 64); _tile_stored(4, dots[i][D - 1], 64);
-          } else if (i % 2 == 0) {
-            _tile_loadd(2, codes[i], 64); _tile_loadd(0, high, K);
-            _tile_zero(3); _tile_dpbssd(3, 0, 2); _tile_stored(3, dots[i][0], 64);
-          } else {
-            _tile_loadd(5, codes[i], 64); _tile_loadd(1, high, K);
-            _tile_zero(4); _tile_dpbssd(4, 1, 5); _tile_stored(4, dots[i][0], 64);
-          }
-        }
-        for (int i = 0; i < batch; ++i) {
-          const int64_t t = t0 + i, ks = t * Q::kSubK;
-          const uint8_t* chunk = w + g * group_bytes + (t / Q::kSubs) * Q::kChunk;
-          const int s = static_cast<int>(t % Q::kSubs);
-          const __m512 sc = Q::scale(chunk, s);
-          const __m512 mn = Q::min(chunk, s);
-          const float* scale = a.scale.data() + m0 * (K / a.block) + ks / a.block;
-          const float* sum32 = a.sum32.data() + m0 * (K / 32) + ks / 32;
-          for (int m = 0; m < R; ++m) {  // the finish of tile(), op for op
-            __m512i dot = _mm512_load_si512(dots[i][0] + m * 16);
-            if constexpr (D == 2) dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), _mm512_load_si512(dots[i][D - 1] + m * 16));
-            const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), sc);
-            total[m] = _mm512_fmadd_ps(part, _mm512_set1_ps(scale[m * (K / a.block)]), total[m]);
-            if constexpr (Q::kMin) total[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum32[m * (K / 32)]), total[m]);
-          }
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = w + g * group_bytes;
+    std::fill(total.begin(), total.end(), 0.0f);
+    std::fill(part.begin(), part.end(), 0.0f);
+    for (int64_t t0 = 0; t0 < subs; t0 += kBatch) {
+      const int batch = static_cast<int>(std::min<int64_t>(kBatch, subs - t0));
+      for (int i = 0; i < batch; ++i) {
+        const int64_t t = t0 + i;
+        const uint8_t* chunk = wg + (t / Q::kSubs) * Q::kChunk;
+        if (t % Q::kSubs == 0)
+          for (int line = 0; line < Q::kChunk; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead * Q::kChunk + line), _MM_HINT_T0);
+        for (int u = 0; u < kUnits; ++u) {
+          __m512i ca, cb;
+          Q::codes(chunk, static_cast<int>(t % Q::kSubs) * kUnits + u, ca, cb);
+          if constexpr (Q::kZero != 0) ca = _mm512_sub_epi8(ca, zero_point), cb = _mm512_sub_epi8(cb, zero_point);
+          _mm512_store_si512(codes[i] + (2 * u) * 64, ca);
+          _mm512_store_si512(codes[i] + (2 * u + 1) * 64, cb);
         }
       }
-      for (int m = 0; m < rows; ++m)
-        store16(y + (m0 + m) * ldy + g * 16, total[m]);
+      for (int64_t p = 0; p < passes; ++p) {
+        const int64_t r0 = p * R;
+        for (int i = 0; i < batch; ++i) {  // tile numbers must be immediates: even and odd ones spelled out
+          const int8_t* digits = a.digit(r0, 0) + (t0 + i) * Q::kSubK;
+          if (i % 2 == 0) {
+            _tile_loadd(2, codes[i], 64); _tile_loadd(0, digits, K);
+            _tile_zero(3); _tile_dpbssd(3, 0, 2); _tile_stored(3, dots[i], 64);
+          } else {
+            _tile_loadd(5, codes[i], 64); _tile_loadd(1, digits, K);
+            _tile_zero(4); _tile_dpbssd(4, 1, 5); _tile_stored(4, dots[i], 64);
+          }
+        }
+        // the finish of tile(), op for op; acc: the pass's rows' part (K-quants) or total (blocks of 32)
+        std::vector<float>& kept = kSuper ? part : total;
+        __m512 acc[R];
+        for (int m = 0; m < R; ++m) acc[m] = _mm512_loadu_ps(at(kept, r0 + m));
+        for (int i = 0; i < batch; ++i) {
+          const int64_t t = t0 + i, ks = t * Q::kSubK;
+          const uint8_t* chunk = wg + (t / Q::kSubs) * Q::kChunk;
+          const int s = static_cast<int>(t % Q::kSubs);
+          const __m512 sc = Q::sub_scale(chunk, s);
+          __m512 mn = _mm512_setzero_ps();
+          if constexpr (!kSuper) mn = Q::sub_min(chunk, s);
+          for (int m = 0; m < R; ++m) {
+            __m512i dot = _mm512_load_si512(dots[i] + (m * D) * 16);
+            if constexpr (D == 2) dot = combine(dot, _mm512_load_si512(dots[i] + (m * D + 1) * 16));
+            const int64_t row = r0 + m;
+            if constexpr (kSuper) acc[m] = add_sub_block(acc[m], dot, sc);
+            else acc[m] = add_block<Q>(acc[m], dot, sc, mn, a.scale[row * scales_per_row + ks / a.block],
+                                       a.sum32[row * (K / 32) + ks / 32]);
+          }
+          if constexpr (kSuper) {
+            if (s == Q::kSubs - 1) {  // the super-block's last sub-block
+              const int64_t sb = t / Q::kSubs;
+              const __m512 d = Q::super_scale(chunk);
+              __m512 mns[Q::kMin ? Q::kSubs : 1];
+              Q::mins(chunk, mns);
+              for (int m = 0; m < R; ++m) {
+                const int64_t row = r0 + m;
+                _mm512_storeu_ps(at(total, row), add_super_block<Q>(_mm512_loadu_ps(at(total, row)), acc[m], d,
+                                                                    a.scale[row * scales_per_row + sb], mns,
+                                                                    a.sum32.data() + row * (K / 32) + sb * (Q::SB / 32)));
+                acc[m] = _mm512_setzero_ps();
+              }
+            }
+          }
+        }
+        for (int m = 0; m < R; ++m) _mm512_storeu_ps(at(kept, r0 + m), acc[m]);
+      }
     }
+    for (int64_t m = 0; m < M; ++m) store16(y + m * ldy + g * 16, _mm512_loadu_ps(at(total, m)));
   }
   _tile_release();
 }
@@ -389,11 +475,21 @@ bool quant_vnni_available() {
 }
 
 namespace {
-// Where the CPU has AMX-INT8, calls of this many rows run on tiles (the same bits either way). Measured, one
-// thread, weights in cache, ns a weight and row, vpdpbusd -> tiles, int8: at 16 rows Q4_K 0.0056 -> 0.0040,
-// Q6_K 0.0082 -> 0.0067, Q4_1 0.0053 -> 0.0040, Q8_0 0.0065 -> 0.0041; at 8 rows (tiles of 8) no gain (Q4_K
-// 0.0057 both, Q6_K 0.0083 -> 0.0100): the per-row float finish, not the dot products, is the cost there.
-constexpr int64_t kAmxRows = 16;
+// Where the CPU has AMX-INT8, calls of this many rows run on tiles (the same bits either way). Measured
+// (benchmarks/quant_kernels.py, one thread, weights in cache, ns a weight and row, vpdpbusd -> tiles; one run on
+// a shared machine): two digits at 8 rows Q4_K 0.0092 -> 0.0078, Q6_K 0.0123 -> 0.0118, Q4_0 0.0097 -> 0.0071,
+// Q8_0 0.0109 -> 0.0086, at 4 rows none (Q4_K 0.0107 -> 0.0110); one digit at 8 rows slower (Q4_K 0.0057 ->
+// 0.0067), at 16 faster (0.0057 -> 0.0048). A tile product costs about the same whatever its rows (Q4_K, two
+// digits, one row: 0.043 ns a weight, 57 cycles a sub-block of 32 x 16 outputs): the tiles' own load, product and
+// store latency, which issuing the next step's products before finishing the last did not hide (tried: no gain).
+constexpr int64_t kAmxRows[3] = {0, 16, 8};  // by digits
+// set_quant_amx_rows(n): tiles from n rows instead (tests and benchmarks/quant_kernels.py: every tiling's bits
+// and the crossovers); 0: kAmxRows.
+std::atomic<int64_t> amx_rows_set{0};
+int64_t amx_rows(int digits) {
+  const int64_t set = amx_rows_set.load();
+  return set > 0 ? set : kAmxRows[digits];
+}
 // -1: not chosen yet; QUICKDRAFT_QUANT_AMX=0 keeps the vpdpbusd kernel for every call (to test it on AMX CPUs).
 std::atomic<int> use_amx{-1};
 
@@ -417,6 +513,11 @@ bool set_quant_amx(bool on) {
   return before;
 }
 bool get_quant_amx() { return amx_int8_in_use(); }
+// From how many rows calls run on tiles where they are on (0: the measured default); returns the setting before.
+int64_t set_quant_amx_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "rows must be >= 0 (0: the default)");
+  return amx_rows_set.exchange(rows);
+}
 
 // y = x [W_0; W_1; ...]^T as cpu_quant.cpp's linear_quant (which checked the arguments), with `digits` (1 or 2)
 // integer digits an activation; y float32 if float_output, else bf16. Runs only where quant_vnni_available().
@@ -445,8 +546,10 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
   auto y = torch::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
   const auto* xp = x.data_ptr<c10::BFloat16>();
-  const bool tiles = M >= kAmxRows && amx_int8_in_use();
-  const int64_t rows = tiles ? (M + 15) / 16 * 16 : M;  // zero rows past M for the tiles
+  const bool tiles = M >= amx_rows(digits) && amx_int8_in_use();
+  // A tiles of 8 rows (each row's digits) for few rows, else 16; zero rows past M up to a whole pass
+  const int tile_rows = M * digits <= 8 ? 8 : 16;
+  const int64_t pass = tile_rows / digits, rows = tiles ? (M + pass - 1) / pass * pass : M;
   Activations acts[4];
   for (int wide = 0; wide < 2; ++wide)
     for (int nibbles = 0; nibbles < 2; ++nibbles)
@@ -461,8 +564,13 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
             using Q = decltype(q);
             const Activations& a = acts[part.variant];
             auto* yq = yp + part.column;
-            if (tiles && digits == 1) amx_groups<Q, 1, 16>(a, part.w, lo - base, hi - base, yq, N);
-            else if (tiles) amx_groups<Q, 2, 16>(a, part.w, lo - base, hi - base, yq, N);
+            if (tiles) {
+              const int64_t g0 = lo - base, g1 = hi - base;
+              if (digits == 1 && tile_rows == 8) amx_groups<Q, 1, 8>(a, part.w, g0, g1, yq, N);
+              else if (digits == 1) amx_groups<Q, 1, 16>(a, part.w, g0, g1, yq, N);
+              else if (tile_rows == 8) amx_groups<Q, 2, 8>(a, part.w, g0, g1, yq, N);
+              else amx_groups<Q, 2, 16>(a, part.w, g0, g1, yq, N);
+            }
             else if (digits == 1) groups<Q, 1>(a, part.w, lo - base, hi - base, yq, N);
             else groups<Q, 2>(a, part.w, lo - base, hi - base, yq, N);
           });

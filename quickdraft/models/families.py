@@ -6,7 +6,7 @@ residual add; then a final RMSNorm and the output head (tied or not). What diffe
 listed in FamilySettings, and NativeRunner (native.py) reads these settings instead of testing family names.
 
 A config feature that changes the math and is not listed here is refused by native.supports(), so the model
-runs on the transformers forward instead (tests/test_families.py checks both: the features each family
+runs on the transformers forward instead (tests/models/test_families.py checks both: the features each family
 claims against transformers, and the refusals).
 
 Config features audited (transformers 5.x): head_dim, attention_bias, mlp_bias, Qwen2's q/k/v biases, Qwen 3 and

@@ -34,7 +34,7 @@ from torch import nn
 from quickdraft.kernels import quant
 from quickdraft.kernels.quant import QuantizedWeight
 from quickdraft.models import gguf_weights
-from quickdraft.models.families import FAMILIES
+from quickdraft.models.config import get_text_config
 from quickdraft.models.gguf_weights import QuantizedWeights
 
 log = logging.getLogger(__name__)
@@ -43,10 +43,6 @@ log = logging.getLogger(__name__)
 # planes, transposes), so a slab of 4M weights costs ~32 MB however large the matrix (the 1.5B's 233M-weight
 # output head whole would take ~2 GB).
 SLAB_WEIGHTS = 4 << 20
-
-
-def _text_config(config):
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
 def read_config(path: Path):
@@ -207,7 +203,7 @@ def fill(model: nn.Module, path: Path, packed: QuantizedWeights | None = None) -
     the file's packed matrices (read and packed here unless `packed`, e.g. from the cache, is given)."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    text = _text_config(model.config)
+    text = get_text_config(model.config)
     file = _File(path)
     try:
         heads = text.num_attention_heads
@@ -261,7 +257,7 @@ def _store(weights: QuantizedWeights, name: str, packed: QuantizedWeight) -> Non
 def _tie(model: nn.Module) -> None:
     """A tied output head shares the embedding's parameter (real if the embedding was read dense)."""
     output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    if getattr(_text_config(model.config), "tie_word_embeddings", False) and output is not None:
+    if getattr(get_text_config(model.config), "tie_word_embeddings", False) and output is not None:
         output.weight = embedding.weight
 
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from quickdraft.kernels import quant
 from quickdraft.kernels.quant import QuantizedWeight

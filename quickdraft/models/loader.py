@@ -29,6 +29,7 @@ import torch
 
 from quickdraft.errors import ModelNotFoundError, QuickdraftError
 from quickdraft.kernels import cpu_has_bf16
+from quickdraft.models.config import get_text_config
 
 log = logging.getLogger(__name__)
 
@@ -529,8 +530,7 @@ def quantized_weights(source: ModelSource, model, dtype: torch.dtype, device: to
     weights = _read_packed_cache(cached)
     if weights is not None:
         return weights
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    weights = gguf_weights.read(source.gguf_path, config)
+    weights = gguf_weights.read(source.gguf_path, get_text_config(model.config))
     _write_packed_cache(weights, cached)
     return weights
 

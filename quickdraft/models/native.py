@@ -12,12 +12,12 @@ cache updates in Python, and uses scaled_dot_product_attention, whose CPU kernel
 number of queries. On CPUs with AVX512-BF16, a forward here is one call into quickdraft's C++ layer loop
 (kernels/cpu_decoder.cpp) over kernels that compute every token's row the same way whatever the number of
 tokens: a token's logits are bitwise the same whether it is verified alone or among K+1 tokens, and greedy
-speculative output equals plain greedy output (tests/test_native.py checks this). Elsewhere (other CPUs,
+speculative output equals plain greedy output (tests/models/test_native.py checks this). Elsewhere (other CPUs,
 CUDA, float32) the same loop runs in Python on torch ops, attention as two matmuls with a float32 softmax.
 
 What differs between the families is one row of settings each in models/families.py; config features no row
 describes are refused by supports(), and those models run on the transformers forward
-(tests/test_families.py checks every family and feature against transformers).
+(tests/models/test_families.py checks every family and feature against transformers).
 """
 
 from __future__ import annotations
@@ -30,24 +30,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from quickdraft import kernels
-from quickdraft.kernels import quant
+from quickdraft.errors import QuickdraftError
 from quickdraft.kernels.quant import QuantizedWeight
 from quickdraft.kv.static_cache import StaticSequenceCache
-from quickdraft.cache import SequenceCache
-from quickdraft.errors import QuickdraftError
-from quickdraft.models.gguf_weights import QuantizedWeights
+from quickdraft.models.base import QUANTIZATION_SCHEMES, check_batch
+from quickdraft.models.config import get_text_config
 from quickdraft.models.families import FAMILIES, NO_ROPE, STATIC_ROPE_TYPES, FamilySettings, sliding_window, \
     unsupported_reason
-from quickdraft.models.runner import check_batch
+from quickdraft.models.gguf_weights import QuantizedWeights
+from quickdraft.models.linear import BlockLinear, Linear, blocks_fit, dense_linear, fused_bias
+
+# (Linear and QUANTIZATION_SCHEMES, defined here before models/linear.py and models/base.py, import from here still.)
 
 SUPPORTED = set(FAMILIES)
-QUANTIZATION_SCHEMES = ("int8", "q4")
 
 
 def supports(model: nn.Module) -> str | None:
     """None when `model` can run natively, else the reason it cannot (a family the runner lacks, or a config
     feature of the family that it does not implement: see models/families.py)."""
-    config = _text_config(model)
+    config = get_text_config(model.config)
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED:
         return f"architecture {kind!r} has no native runner (native: {', '.join(sorted(SUPPORTED))})"
@@ -72,118 +73,7 @@ def supports(model: nn.Module) -> str | None:
     return None
 
 
-def _text_config(model: nn.Module):
-    config = model.config
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-
-
-# --- weights --------------------------------------------------------------------------------------------------
-
-class Linear:
-    """y = x W^T (+ b), with W dense, weight-only int8 (per-output-channel scales), or GGUF-quantized.
-
-    On CPUs with AVX512-BF16, bf16 and int8 weights are packed once for quickdraft's kernels (AMX tiles
-    where present): they stream the weights at close to memory bandwidth for the few rows of a decoding
-    step and compute every row alike whatever the number of rows (see kernels/cpu_linear.cpp). Quantized
-    weights (`parts`: one or more QuantizedWeight side by side, as a fused q|k|v whose parts GGUF stores in
-    different types) stay in their block format and run on kernels/cpu_quant.cpp, rows computed alike too."""
-
-    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None,
-                 scales: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-                 parts: list[QuantizedWeight] | None = None):
-        # int8 weights come with float32 scales and the model's dtype (that of the activations).
-        self.weight, self.bias, self.scales, self.parts = weight, bias, scales, parts
-        self._kernels = None
-        if parts is not None:
-            self.dtype = dtype or torch.bfloat16
-            self.out_features, self.in_features = sum(p.rows for p in parts), parts[0].cols
-            if any(p.rows % 16 for p in parts[:-1]):
-                raise QuickdraftError("quantized parts of a fused weight need multiples of 16 rows")
-            self._kernels = kernels.cpu_linear()
-            self._types = [p.qtype for p in parts]
-            self._packed = [p.packed for p in parts]
-            return
-        self.dtype = dtype or weight.dtype
-        self.out_features, self.in_features = weight.shape
-        if weight.device.type == "cpu" and self.dtype == torch.bfloat16 and self.in_features % 2 == 0:
-            self._kernels = kernels.cpu_linear()
-        if self._kernels is not None:
-            self.weight = kernels.pack(weight)  # the packed copy replaces the row-major one
-            if scales is not None:
-                self.scales = F.pad(scales.float(), (0, -self.out_features % 16))
-        elif scales is not None:
-            self.scales = scales.to(self.dtype)  # torch's int8 matmul takes scales in the activations' dtype
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [self.weight, self.bias, self.scales] + [p.packed for p in self.parts or ()]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-    def __call__(self, x: torch.Tensor, float_output: bool = False) -> torch.Tensor:
-        """float_output: quantized weights return float32 (logits; bf16 would make near-ties ties), others as x."""
-        if self.parts is not None:
-            shape = x.shape
-            y = self._kernels.linear_quant(x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(), self._packed,
-                                           self._types, float_output)
-            if y.shape[1] != self.out_features:
-                y = y[:, : self.out_features]
-            y = y.reshape(*shape[:-1], -1)
-            y = y if float_output else y.to(x.dtype)
-        elif self._kernels is not None and x.dtype == torch.bfloat16:
-            x = x.contiguous()
-            if self.scales is None:
-                y = self._kernels.linear_bf16(x, self.weight, True)
-            else:
-                y = self._kernels.linear_int8(x, self.weight, self.scales)
-            if y.shape[1] != self.out_features:
-                y = y[:, : self.out_features]
-        elif self.scales is None:
-            y = F.linear(x, self.weight)
-        else:
-            shape = x.shape
-            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.weight, self.scales)
-            y = y.reshape(*shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
-
-    def spec(self) -> tuple:
-        """(weight, scales, bias, outputs, quantized parts, their GGML types): what the C++ decoder loop needs
-        of a kernel-packed layer."""
-        if self.parts is not None:
-            return torch.empty(0), None, self.bias, self.out_features, self._packed, self._types
-        return self.weight, self.scales, self.bias, self.out_features, [], []
-
-    def int8(self) -> "Linear":
-        """Symmetric per-output int8 of this weight (a new Linear; this one is unchanged)."""
-        w = self.dense().float()
-        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        return Linear(q, self.bias, scales, self.dtype)
-
-    def q4(self) -> "Linear":
-        """4-bit codes with a float16 scale and min per 32 inputs (GGML's Q4_1) of this weight (a new Linear)."""
-        if self.in_features % 32 or kernels.cpu_linear() is None:
-            return self.int8()  # the 4-bit kernels need K % 32 == 0 and AVX512-BF16; int8 elsewhere
-        return Linear(None, self.bias, dtype=self.dtype, parts=[quant.pack(quant.quantize_q4_1(self.dense()))])
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the [N, K] weight in float32 (dequantised; only those rows are widened)."""
-        if self.parts is not None and len(self.parts) == 1:
-            p = self.parts[0]
-            return self._kernels.dequantize_rows(p.packed, p.qtype, ids.cpu(), p.cols).float()
-        return self.dense()[ids].float()
-
-    def dense(self) -> torch.Tensor:
-        """The [N, K] weight (unpacked; dequantised in float32 when int8 or quantized)."""
-        if self.parts is not None:
-            return torch.cat([self._kernels.dequantize_rows(p.packed, p.qtype, torch.arange(p.rows), p.cols)
-                              for p in self.parts])
-        w = self.weight
-        if self._kernels is not None:  # [N/16, K/2, 16, 2] -> [N, K]
-            w = w.permute(0, 2, 1, 3).reshape(-1, self.in_features)[: self.out_features]
-        if self.scales is not None:
-            w = w.float() * self.scales[: self.out_features, None].float()
-        return w
-
+# --- weights (the linear layers themselves: models/linear.py) -------------------------------------------------
 
 @dataclass
 class Layer:
@@ -201,30 +91,12 @@ class Layer:
     rope: str  # key of the cos/sin table this layer uses
 
 
-def _fuse(*linears: nn.Linear) -> Linear:
-    return Linear(torch.cat([l.weight.detach() for l in linears]).contiguous(), _fused_bias(linears))
-
-
-def _fused_bias(linears: tuple[nn.Linear, ...]) -> torch.Tensor | None:
-    """The biases of linears fused side by side (zeros for those without one), or None when none has one."""
-    biases = [l.bias for l in linears]
-    if all(b is None for b in biases):
-        return None
-    return torch.cat([b.detach() if b is not None else torch.zeros(l.weight.shape[0], dtype=l.weight.dtype,
-                                                                   device=l.weight.device)
-                      for l, b in zip(linears, biases)])
-
-
 def _release(modules: list[nn.Module]) -> None:
     """Drop the transformers model's copy of weights the runner holds quantized: a weight on the meta device
     keeps its shape and dtype (so the model still describes itself) and holds no memory."""
     for module in modules:
         weight = module.weight
         module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
-
-
-def _single(linear: nn.Linear) -> Linear:
-    return Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
 
 
 # --- the runner -----------------------------------------------------------------------------------------------
@@ -240,7 +112,9 @@ def _rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 class NativeRunner:
-    """A Llama-family or Gemma 3 decoder with a static KV cache; same interface as HFRunner."""
+    """A Llama-family or Gemma 3 decoder with a static KV cache; a Runner (models/base.py), as HFRunner is."""
+
+    kind = "native"
 
     def __init__(self, model: nn.Module, name: str = "model", quantized: QuantizedWeights | None = None):
         """quantized: the GGUF file's own blocks for the linear layers and the embedding (models/gguf_weights);
@@ -251,7 +125,7 @@ class NativeRunner:
             raise QuickdraftError(f"{name}: {reason}; use runner='hf'")
         self.name = name
         self.model = model  # kept for its rotary module and for methods that need the transformers model
-        config = self.config = _text_config(model)
+        config = self.text_config = get_text_config(model.config)
         family = self.family = FAMILIES[config.model_type]
         inner = getattr(model, getattr(model, "base_model_prefix", "model"))
         # The first real parameter: a skeleton from models/gguf_loader keeps its packed matrices on meta.
@@ -296,12 +170,10 @@ class NativeRunner:
 
         def linear(index: int, roles: tuple[str, ...], modules: tuple[nn.Linear, ...]) -> Linear:
             parts = [quantized.get(index, role) for role in roles] if quantized is not None else []
-            if parts and all(p is not None for p in parts) and all(p.rows % 16 == 0 for p in parts[:-1]) and \
-                    all(p.cols == parts[0].cols == m.weight.shape[1] and p.rows == m.weight.shape[0]
-                        for p, m in zip(parts, modules)):
+            if blocks_fit(parts, modules):
                 released.extend(modules)
-                return Linear(None, _fused_bias(modules), dtype=self.dtype, parts=parts)
-            return _fuse(*modules) if len(modules) > 1 else _single(modules[0])
+                return BlockLinear(parts, fused_bias(modules), dtype=self.dtype)
+            return dense_linear(modules)
 
         self.layers: list[Layer] = []
         for i, layer in enumerate(inner.layers):
@@ -324,11 +196,10 @@ class NativeRunner:
             head = quantized.output if quantized.output is not None else (
                 quantized.embedding if quantized.tied and output.weight is inner.embed_tokens.weight else None)
         if head is not None and head.rows == output.weight.shape[0] and head.cols == output.weight.shape[1]:
-            self.lm_head = Linear(None, None if output.bias is None else output.bias.detach(), dtype=self.dtype,
-                                  parts=[head])
+            self.lm_head = BlockLinear([head], None if output.bias is None else output.bias.detach(), dtype=self.dtype)
             released.append(output)
         else:
-            self.lm_head = _single(output)
+            self.lm_head = dense_linear((output,))
         if quantized is not None and quantized.embedding is not None and \
                 quantized.embedding.cols == self.embed.shape[1] and quantized.embedding.rows >= self.embed.shape[0]:
             self.embed_quantized = quantized.embedding
@@ -394,8 +265,8 @@ class NativeRunner:
         torch: no kernels, an activation the kernels lack, a linear layer the kernels cannot take."""
         if self._decoder is None:
             linears = [getattr(layer, name) for layer in self.layers for name in ("qkv", "o", "gate_up", "down")]
-            if self._cpu_kernels is None or self._fused_activation is None or any(
-                    linear._kernels is None for linear in linears):
+            if self._cpu_kernels is None or self._fused_activation is None or not all(
+                    linear.on_cpu_kernels for linear in linears):
                 self._decoder = False
             else:
                 decoder = self._cpu_kernels.Decoder(self.num_heads, self.eps, self.scale, self.family.gemma_norms,
@@ -426,7 +297,7 @@ class NativeRunner:
         linears = [self.lm_head] + [getattr(layer, name) for layer in self.layers
                                     for name in ("qkv", "o", "gate_up", "down")]
         return self._cpu_kernels is not None and self._fused_activation is not None and all(
-            linear._kernels is not None and linear.scales is None for linear in linears)
+            linear.rows_alike for linear in linears)
 
     @property
     def weight_bytes(self) -> int:
@@ -581,6 +452,11 @@ class NativeRunner:
 
     def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lm_head.rows(ids)
+
+    def final_norm_weight(self) -> torch.Tensor:
+        """The transformers model's own final norm weight (Gemma's: w, where the runner keeps 1 + w)."""
+        inner = getattr(self.model, getattr(self.model, "base_model_prefix", "model"))
+        return inner.norm.weight.detach().float().cpu()
 
     @torch.inference_mode()
     def forward_batch(self, caches: list[StaticSequenceCache], tokens: list[torch.Tensor], num_logits: list[int],

@@ -16,7 +16,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import cpu_linear
 from quickdraft.kv import BLOCK_SIZE, KVPool, PrefixCache
 from quickdraft.models.native import NativeRunner
-from test_native import tiny_gemma16, tiny_llama16
+from conftest import tiny_gemma16, tiny_llama16
 
 needs_kernels = pytest.mark.skipif(cpu_linear() is None, reason="quickdraft's CPU kernels need AVX512-BF16")
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread

@@ -168,9 +168,9 @@ def test_direct_load_equals_the_transformers_path(tiny_gguf, tmp_path, monkeypat
 def gguf_weights_named(source, model):
     """The packed matrices gguf_weights.read makes from the file (the reference the direct path must equal)."""
     from quickdraft.models import gguf_weights
-    from quickdraft.models.native import _text_config
+    from quickdraft.models.config import get_text_config
 
-    return gguf_weights.read(source.gguf_path, _text_config(model)).named()
+    return gguf_weights.read(source.gguf_path, get_text_config(model.config)).named()
 
 
 def test_architecture_without_a_native_runner_takes_the_transformers_path(tiny_gguf, monkeypatch, tmp_path):

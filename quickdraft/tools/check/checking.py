@@ -63,8 +63,7 @@ def check(llm: "LLM", prompts: list[PromptInput], params: "SamplingParams", *,
     config = _describe_config(spec_llm.speculative_config)
     shown = {name: getattr(params, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                                                        "presence_penalty", "frequency_penalty", "seed")}
-    runner_name = {"NativeRunner": "native", "HFRunner": "hf"}.get(type(runner).__name__, type(runner).__name__)
-    report = CheckReport(model=str(llm.model_name), dtype=dtype_name, runner=runner_name,
+    report = CheckReport(model=str(llm.model_name), dtype=dtype_name, runner=runner.kind,
                          speculative_config=config, params=shown, num_prompts=len(ids),
                          max_tokens=max_tokens, alpha=alpha, near_tie_rule=_near_tie_rule(dtype_name),
                          greedy=[], stats=[])
@@ -72,7 +71,7 @@ def check(llm: "LLM", prompts: list[PromptInput], params: "SamplingParams", *,
     with torch.inference_mode():
         report.greedy = _greedy(spec_llm, plain_llm, ids, params, max_tokens, dtype_name)
     for g in report.greedy:
-        if g.divergence is not None and getattr(runner, "rows_invariant", False):
+        if g.divergence is not None and runner.rows_invariant:
             report.notes.append(f"prompt {g.prompt_index}: the {report.runner} runner computes rows bitwise alike, "
                                 "so even a near-tie should not split greedy outputs here; please report it")
             break

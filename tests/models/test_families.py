@@ -14,7 +14,8 @@ from conftest import _sharpen
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import cpu_linear
 from quickdraft.models.native import NativeRunner, supports
-from quickdraft.models.runner import HFRunner, make_runner
+from quickdraft.models import make_runner
+from quickdraft.models.hf import HFRunner
 
 needs_kernels = pytest.mark.skipif(cpu_linear() is None, reason="quickdraft's CPU kernels need AVX512-BF16")
 

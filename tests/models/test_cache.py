@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from quickdraft.models.runner import HFRunner
+from quickdraft.models.hf import HFRunner
 from conftest import tiny_gemma3, tiny_llama
 
 

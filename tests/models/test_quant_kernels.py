@@ -197,7 +197,8 @@ def test_fused_parts_of_different_types_equal_their_separate_products(name):
 @pytest.mark.parametrize("name", ["int8", "int16"])
 @pytest.mark.parametrize("qtype", TYPES, ids=[quant.NAMES[t] for t in TYPES])
 def test_amx_tiles_compute_the_bits_of_the_vpdpbusd_kernel(qtype, name):
-    """Calls of 16 rows or more run on AMX-INT8 tiles where the CPU has them: the same bits as vpdpbusd."""
+    """Calls of many rows run on AMX-INT8 tiles where the CPU has them: the same bits as vpdpbusd, in tiles of 8 and
+    16 rows (two digits: of 4 and 8 rows' digits), whatever the row count (set_quant_amx_rows(1): tiles from 1 row)."""
     module = kernels.cpu_linear()
     if not module.set_quant_amx(True) and not module.quant_amx():
         pytest.skip("this CPU has no AMX-INT8 tiles")
@@ -205,11 +206,16 @@ def test_amx_tiles_compute_the_bits_of_the_vpdpbusd_kernel(qtype, name):
     packed = quant.pack(quant.decode(random_blocks(qtype, 112, 3 * block, seed=7), qtype, 3 * block))
     torch.manual_seed(2)
     x = torch.randn(37, 3 * block).bfloat16()  # 37 rows: tiles of 16, 16 and 5 (zero rows after)
-    with kernel(name):
-        tiles = module.linear_quant(x, [packed.packed], [qtype])
+    x[::5] *= 40
     with kernel(name + "/vpdpbusd"):
         vnni = module.linear_quant(x, [packed.packed], [qtype])
-    assert torch.equal(tiles, vnni)
+    before = module.set_quant_amx_rows(1)
+    try:
+        with kernel(name):
+            for m in (1, 2, 3, 4, 5, 8, 9, 16, 37):
+                assert torch.equal(module.linear_quant(x[:m].contiguous(), [packed.packed], [qtype]), vnni[:m]), m
+    finally:
+        module.set_quant_amx_rows(before)
 
 
 @needs_kernels

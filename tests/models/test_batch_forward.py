@@ -7,13 +7,12 @@ run alone; in float32 (torch matmuls, not row-invariant) they agree to rounding.
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import tiny_gemma16, tiny_llama, tiny_llama16, tiny_qwen2
 from quickdraft.cache import SequenceCache
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import cpu_linear
+from quickdraft.models.hf import HFRunner
 from quickdraft.models.native import NativeRunner
-from quickdraft.models.runner import HFRunner
-from test_native import tiny_gemma16, tiny_llama16, tiny_qwen2
 
 needs_kernels = pytest.mark.skipif(cpu_linear() is None, reason="quickdraft's CPU kernels need AVX512-BF16")
 BUILDS = {"llama16": tiny_llama16, "gemma16": tiny_gemma16, "qwen2": tiny_qwen2}  # gemma16: sliding window 4

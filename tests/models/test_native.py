@@ -5,47 +5,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import _sharpen, tiny_gemma3, tiny_llama
+from conftest import tiny_gemma3, tiny_gemma16, tiny_llama, tiny_llama16, tiny_qwen2
 from quickdraft import LLM, SamplingParams
 from quickdraft.cache import SequenceCache
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import cpu_linear, pack
-from quickdraft.models.native import Linear, NativeRunner
-from quickdraft.models.runner import HFRunner, make_runner
+from quickdraft.models import make_runner
+from quickdraft.models.hf import HFRunner
+from quickdraft.models.linear import BlockLinear, DenseLinear
+from quickdraft.models.native import NativeRunner
 
 needs_kernels = pytest.mark.skipif(cpu_linear() is None, reason="quickdraft's CPU kernels need AVX512-BF16")
-
-
-def tiny_llama16(seed=0):
-    """A Llama with head_dim 16, the smallest shape the CPU kernels take."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    return _sharpen(LlamaForCausalLM(config).eval())
-
-
-def tiny_gemma16(seed=0):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(seed)
-    config = Gemma3TextConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                              sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
-                              eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    return _sharpen(Gemma3ForCausalLM(config).eval())
-
-
-def tiny_qwen2(seed=0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    return _sharpen(Qwen2ForCausalLM(config).eval())  # q/k/v projections with biases
 
 
 BUILDS = {"llama": tiny_llama, "gemma3": tiny_gemma3, "llama16": tiny_llama16, "gemma16": tiny_gemma16,
@@ -147,7 +117,7 @@ def test_layer_skip_and_quantized_drafts_share_what_they_do_not_change():
 def test_int8_linear_is_close_to_its_dense_weight(dtype):
     torch.manual_seed(0)
     weight = torch.randn(40, 64, dtype=dtype)  # 40 outputs: not a multiple of 16, the kernels pad
-    dense = Linear(weight)
+    dense = DenseLinear(weight)
     q = dense.int8()
     x = torch.randn(40, 64, dtype=dtype)  # 40 rows: the kernels' many-row (prefill) path; 5: the decoding path
     step = weight.float().abs().amax(1) / 127  # per-output quantization step
@@ -319,7 +289,7 @@ def test_quantized_runner_runs_the_blocks_and_releases_the_dense_copies(name):
     # (dense here: the weights have no `output` matrix)
     tied = model.config.tie_word_embeddings
     head = weights.embedding.nbytes if tied else runner.lm_head.nbytes
-    assert (runner.lm_head.parts is not None) == tied
+    assert isinstance(runner.lm_head, BlockLinear) == tied
     assert runner.weight_bytes == sum(w.nbytes for w in weights.layers.values()) + head
     prompt = torch.tensor([5, 9, 3, 7, 5, 9, 3, 1, 2])
     logits = runner.forward(runner.new_cache(), prompt, len(prompt))
@@ -340,7 +310,6 @@ def test_quantized_runner_runs_the_blocks_and_releases_the_dense_copies(name):
 @pytest.mark.parametrize("method", ["ngram", "quantized"])
 def test_quantized_target_greedy_speculative_equals_plain_on_tiny_models(method, monkeypatch):
     import quickdraft.api
-    from quickdraft.models.runner import make_runner
 
     model = tiny_llama16(seed=0).to(torch.bfloat16)
     weights = _quantized_weights(model)

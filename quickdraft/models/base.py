@@ -1,0 +1,121 @@
+"""The Runner protocol: a causal LM behind one small interface, each sequence with its own cache.
+
+A runner is stateless across sequences; each sequence owns a SequenceCache. forward_batch takes several
+sequences at once (one model call for all on the native runner, models/native.py; one call per sequence on
+the transformers runner, models/hf.py, behind the same interface), so that batching requests changes the
+runner, not its callers. What callers need to know of a runner (its kind, config, weight bytes, kept-quantized
+blocks, whether rows are computed alike) is declared here, so that no caller probes for it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from quickdraft.cache import SequenceCache
+from quickdraft.errors import QuickdraftError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from quickdraft.models.gguf_weights import QuantizedWeights
+
+# The weight-only quantizations a runner's quantized(scheme) takes (the native runner's; see models/linear.py).
+QUANTIZATION_SCHEMES = ("int8", "q4")
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """What the engine, the drafts, the bench and the tools use of a model: quickdraft's native decoder
+    (models/native.py) and the transformers forward (models/hf.py) both provide it."""
+
+    name: str
+    kind: str  # "native" (quickdraft's own decoder) or "hf" (the transformers forward)
+    model: nn.Module  # the transformers model it was built from (a native runner may have released weights of it)
+    text_config: PretrainedConfig  # the decoder's transformers config (models/config.get_text_config)
+    vocab_size: int
+    max_len: int
+    forwards: int  # model calls so far, for metrics
+    quantized_weights: QuantizedWeights | None  # a GGUF file's blocks the runner keeps in their stored format
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """What one position of one sequence's cache takes: layers x kv_heads x head_dim x 2 x dtype size."""
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decoding step reads (the input embedding's rows it gathers are not counted)."""
+
+    @property
+    def rows_invariant(self) -> bool:
+        """Whether a row's outputs are bitwise the same whatever the other rows of a forward (then a token's
+        logits and cached keys do not depend on how it was batched, verified or prefilled)."""
+
+    def new_cache(self) -> SequenceCache: ...
+
+    def forward(self, cache: SequenceCache, tokens: torch.Tensor, num_logits: int = 1) -> torch.Tensor:
+        """Append tokens [n] to the sequence; float32 logits of the last num_logits inputs [num_logits, V]."""
+
+    def forward_batch(self, caches: list[SequenceCache], tokens: list[torch.Tensor],
+                      num_logits: list[int], return_hidden: bool = False):
+        """Several sequences in one step; their logits concatenated in order, [sum(num_logits), V]. With
+        return_hidden, (logits, hidden): every input row's last hidden state after the final norm (the output
+        layer's input; what an EAGLE head reads), [sum(n_i), hidden], at no extra forward."""
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [n] -> the input embeddings the first layer reads, [n, hidden]."""
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [n, hidden] (forward_batch's return_hidden) -> float32 logits [n, V]."""
+
+    def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the output layer's weight, float32 on the CPU [len(ids), hidden]."""
+
+    def final_norm_weight(self) -> torch.Tensor:
+        """The final norm's weight as the transformers model stores it, float32 on the CPU [hidden] (what an
+        EAGLE head copies)."""
+
+    def truncated(self, num_layers: int) -> "Runner":
+        """The first num_layers layers, final norm and head, sharing this runner's weights (a self-draft)."""
+
+    def quantized(self, scheme: str) -> "Runner":
+        """A weight-only quantized copy (a self-draft), or a QuickdraftError where the runner has none."""
+
+
+def check_batch(runner: Runner, caches: list, tokens: list, num_logits: list) -> list[torch.Tensor]:
+    """What a runner's forward_batch checks before it changes any cache: one token tensor [n_i] (n_i >= 1) and
+    one num_logits (0 <= k_i <= n_i) per cache, no cache twice, and every sequence within the runner's
+    context. Returns the token tensors flattened to [n_i]."""
+    if not len(caches) == len(tokens) == len(num_logits):
+        raise QuickdraftError(f"{runner.name}: forward_batch takes one token tensor and one num_logits per cache; "
+                              f"got {len(caches)} caches, {len(tokens)} token tensors and {len(num_logits)} num_logits")
+    if not caches:
+        raise QuickdraftError(f"{runner.name}: forward_batch needs at least one sequence")
+    if len({id(cache) for cache in caches}) != len(caches):
+        raise QuickdraftError(f"{runner.name}: forward_batch got the same cache twice; each sequence has its own")
+    flat = []
+    for i, (cache, ids, k) in enumerate(zip(caches, tokens, num_logits)):
+        ids = torch.as_tensor(ids).reshape(-1)  # [n_i]
+        n = ids.shape[0]
+        which = f" (sequence {i} of the batch)" if len(caches) > 1 else ""
+        if n == 0:
+            raise QuickdraftError(f"{runner.name}: no tokens to append{which}; each sequence needs at least one")
+        if not 0 <= int(k) <= n:
+            raise QuickdraftError(f"{runner.name}: num_logits {int(k)} of a sequence of {n} new tokens{which}; it must "
+                                  f"be in [0, {n}]")
+        if len(cache) + n > runner.max_len:
+            raise QuickdraftError(f"{runner.name}: sequence of {len(cache) + n} tokens exceeds the context of "
+                                  f"{runner.max_len}{which}; shorten the prompt or max_tokens")
+        flat.append(ids)
+    return flat

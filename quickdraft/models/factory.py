@@ -1,0 +1,34 @@
+"""Which runner a model gets: the native decoder where its architecture has one, else the transformers forward."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.models.base import Runner
+from quickdraft.models.gguf_weights import QuantizedWeights
+from quickdraft.models.hf import HFRunner
+from quickdraft.models.native import NativeRunner, supports
+
+RUNNERS = ("auto", "native", "hf")
+
+
+def make_runner(model: nn.Module, name: str, kind: str = "auto", quantized: QuantizedWeights | None = None) -> Runner:
+    """The runner for `model`: `native` (quickdraft's own decoder, Llama family and Gemma 3), `hf` (the
+    transformers forward, any causal LM), or `auto` (native where the architecture has one). quantized: a GGUF
+    file's blocks (models/gguf_weights.QuantizedWeights) for the native runner to keep in their stored format."""
+    if kind not in RUNNERS:
+        raise QuickdraftError(f"unknown runner {kind!r}; use one of {', '.join(RUNNERS)}")
+    if kind == "hf":
+        return HFRunner(model, name=name)
+    reason = supports(model)
+    if reason is None:
+        return NativeRunner(model, name=name, quantized=quantized)
+    if kind == "native":
+        raise QuickdraftError(f"{name}: {reason}; use runner='auto' or 'hf'")
+    return HFRunner(model, name=name)
+
+
+def quantized(runner: Runner, scheme: str) -> Runner:
+    """A weight-only quantized copy of `runner` (for drafts); only native runners have one."""
+    return runner.quantized(scheme)

@@ -1,0 +1,246 @@
+"""The native runner's linear layers, one class per weight format: y = x W^T (+ b).
+
+- DenseLinear: the model's own bf16 or float weights;
+- Int8Linear: weight-only int8 with per-output-channel scales (a quantized self-draft, `quantized:int8`);
+- BlockLinear: GGML blocks (one or more QuantizedWeight side by side, as a fused q|k|v whose parts a GGUF file
+  stores in different types): a GGUF file's own blocks kept as stored, or Q4_1 blocks of a `quantized:q4` draft.
+
+On CPUs with AVX512-BF16, bf16 and int8 weights are packed once for quickdraft's kernels (AMX tiles where
+present): they stream the weights at close to memory bandwidth for the few rows of a decoding step and compute
+every row alike whatever the number of rows (see kernels/cpu_linear.cpp; int8 only below 32 rows). Blocks stay
+in their format and run on kernels/cpu_quant.cpp, rows computed alike too. Elsewhere torch computes them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quickdraft import kernels
+from quickdraft.errors import QuickdraftError
+from quickdraft.kernels import quant
+from quickdraft.kernels.quant import QuantizedWeight
+
+
+class Linear(ABC):
+    """A linear layer of the native runner: what its forward, the C++ decoder loop and the derived (quantized)
+    runners use of one, whatever the weight format."""
+
+    out_features: int
+    in_features: int
+    dtype: torch.dtype  # that of the activations
+    bias: torch.Tensor | None
+    _kernels = None  # quickdraft's CPU kernels where this layer runs on them
+
+    @property
+    def on_cpu_kernels(self) -> bool:
+        """Whether this layer runs on quickdraft's CPU kernels (then the C++ decoder loop can take it)."""
+        return self._kernels is not None
+
+    @property
+    @abstractmethod
+    def rows_alike(self) -> bool:
+        """Whether every row of a call is computed bitwise alike whatever the number of rows."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors() if t is not None)
+
+    @abstractmethod
+    def _tensors(self) -> list[torch.Tensor | None]:
+        """The tensors this layer holds (for nbytes)."""
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor, float_output: bool = False) -> torch.Tensor:
+        """float_output: block weights return float32 (logits; bf16 would make near-ties ties), others as x."""
+
+    @abstractmethod
+    def spec(self) -> tuple:
+        """(weight, scales, bias, outputs, quantized parts, their GGML types): what the C++ decoder loop needs
+        of a kernel-packed layer."""
+
+    @abstractmethod
+    def dense(self) -> torch.Tensor:
+        """The [N, K] weight (unpacked; dequantised in float32 when int8 or blocks)."""
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the [N, K] weight in float32."""
+        return self.dense()[ids].float()
+
+    def int8(self) -> "Int8Linear":
+        """Symmetric per-output int8 of this weight (a new Linear; this one is unchanged)."""
+        w = self.dense().float()
+        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        return Int8Linear(q, scales, self.bias, self.dtype)
+
+    def q4(self) -> "Linear":
+        """4-bit codes with a float16 scale and min per 32 inputs (GGML's Q4_1) of this weight (a new Linear)."""
+        if self.in_features % 32 or kernels.cpu_linear() is None:
+            return self.int8()  # the 4-bit kernels need K % 32 == 0 and AVX512-BF16; int8 elsewhere
+        return BlockLinear([quant.pack(quant.quantize_q4_1(self.dense()))], self.bias, self.dtype)
+
+    def _trim(self, y: torch.Tensor) -> torch.Tensor:
+        """The kernels compute outputs in groups of 16: drop the padding columns."""
+        return y[:, : self.out_features] if y.shape[1] != self.out_features else y
+
+    def _unpacked(self) -> torch.Tensor:
+        """The weight as stored: kernel-packed [N/16, K/2, 16, 2] back to [N, K], or the row-major one as is."""
+        w = self.weight
+        if self._kernels is not None:
+            w = w.permute(0, 2, 1, 3).reshape(-1, self.in_features)[: self.out_features]
+        return w
+
+
+def _kernels_for(weight: torch.Tensor, dtype: torch.dtype):
+    """quickdraft's CPU kernels for a weight used with `dtype` activations, or None where torch computes it."""
+    if weight.device.type == "cpu" and dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
+        return kernels.cpu_linear()
+    return None
+
+
+class DenseLinear(Linear):
+    """The model's own weight [N, K] (bf16 or float), with an optional bias [N]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+        self.bias, self.scales = bias, None
+        self.dtype = dtype or weight.dtype
+        self.out_features, self.in_features = weight.shape
+        self._kernels = _kernels_for(weight, self.dtype)
+        # The packed copy replaces the row-major one.
+        self.weight = kernels.pack(weight) if self._kernels is not None else weight
+
+    @property
+    def rows_alike(self) -> bool:
+        return self._kernels is not None
+
+    def _tensors(self) -> list[torch.Tensor | None]:
+        return [self.weight, self.bias]
+
+    def __call__(self, x: torch.Tensor, float_output: bool = False) -> torch.Tensor:
+        if self._kernels is not None and x.dtype == torch.bfloat16:
+            y = self._trim(self._kernels.linear_bf16(x.contiguous(), self.weight, True))
+        else:
+            y = F.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+    def spec(self) -> tuple:
+        return self.weight, None, self.bias, self.out_features, [], []
+
+    def dense(self) -> torch.Tensor:
+        return self._unpacked()
+
+
+class Int8Linear(Linear):
+    """Symmetric weight-only int8 [N, K] with float32 per-output scales [N]; activations in `dtype`."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        self.bias, self.dtype = bias, dtype
+        self.out_features, self.in_features = weight.shape
+        self._kernels = _kernels_for(weight, dtype)
+        if self._kernels is not None:
+            self.weight = kernels.pack(weight)  # the packed copy replaces the row-major one
+            self.scales = F.pad(scales.float(), (0, -self.out_features % 16))
+        else:
+            self.weight = weight
+            self.scales = scales.to(dtype)  # torch's int8 matmul takes scales in the activations' dtype
+
+    @property
+    def rows_alike(self) -> bool:
+        return False  # the int8 kernel widens its accumulation differently from 32 rows on
+
+    def _tensors(self) -> list[torch.Tensor | None]:
+        return [self.weight, self.bias, self.scales]
+
+    def __call__(self, x: torch.Tensor, float_output: bool = False) -> torch.Tensor:
+        if self._kernels is not None and x.dtype == torch.bfloat16:
+            y = self._trim(self._kernels.linear_int8(x.contiguous(), self.weight, self.scales))
+        else:
+            shape = x.shape
+            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.weight, self.scales)
+            y = y.reshape(*shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+    def spec(self) -> tuple:
+        return self.weight, self.scales, self.bias, self.out_features, [], []
+
+    def dense(self) -> torch.Tensor:
+        return self._unpacked().float() * self.scales[: self.out_features, None].float()
+
+
+class BlockLinear(Linear):
+    """GGML-quantized blocks: `parts` side by side make the [N, K] weight (every part but the last a multiple
+    of 16 rows), run on the quantized kernels with bf16 activations."""
+
+    def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None):
+        self.bias, self.scales, self.parts = bias, None, parts
+        self.weight = None
+        self.dtype = dtype or torch.bfloat16
+        self.out_features, self.in_features = sum(p.rows for p in parts), parts[0].cols
+        if any(p.rows % 16 for p in parts[:-1]):
+            raise QuickdraftError("quantized parts of a fused weight need multiples of 16 rows")
+        self._kernels = kernels.cpu_linear()
+        self._types = [p.qtype for p in parts]
+        self._packed = [p.packed for p in parts]
+
+    @property
+    def rows_alike(self) -> bool:
+        return self._kernels is not None
+
+    def _tensors(self) -> list[torch.Tensor | None]:
+        return [self.bias] + self._packed
+
+    def __call__(self, x: torch.Tensor, float_output: bool = False) -> torch.Tensor:
+        shape = x.shape
+        y = self._kernels.linear_quant(x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(), self._packed,
+                                       self._types, float_output)
+        y = self._trim(y).reshape(*shape[:-1], -1)
+        y = y if float_output else y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def spec(self) -> tuple:
+        return torch.empty(0), None, self.bias, self.out_features, self._packed, self._types
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Only the rows `ids` are dequantised (one part; a fused weight's rows come from its dense form)."""
+        if len(self.parts) == 1:
+            p = self.parts[0]
+            return self._kernels.dequantize_rows(p.packed, p.qtype, ids.cpu(), p.cols).float()
+        return super().rows(ids)
+
+    def dense(self) -> torch.Tensor:
+        return torch.cat([self._kernels.dequantize_rows(p.packed, p.qtype, torch.arange(p.rows), p.cols)
+                          for p in self.parts])
+
+
+# --- from a transformers model's layers ----------------------------------------------------------------------
+
+def dense_linear(modules: tuple[nn.Linear, ...] | list[nn.Linear]) -> DenseLinear:
+    """The DenseLinear of transformers linear layers side by side (q|k|v, gate|up: one matrix, one call), or
+    of one layer (its weight as it is, no copy)."""
+    if len(modules) == 1:
+        (module,) = modules
+        return DenseLinear(module.weight.detach(), None if module.bias is None else module.bias.detach())
+    return DenseLinear(torch.cat([m.weight.detach() for m in modules]).contiguous(), fused_bias(modules))
+
+
+def fused_bias(modules: tuple[nn.Linear, ...] | list[nn.Linear]) -> torch.Tensor | None:
+    """The biases of linears fused side by side (zeros for those without one), or None when none has one."""
+    biases = [m.bias for m in modules]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b.detach() if b is not None else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype,
+                                                                   device=m.weight.device)
+                      for m, b in zip(modules, biases)])
+
+
+def blocks_fit(parts: list[QuantizedWeight | None], modules: tuple[nn.Linear, ...] | list[nn.Linear]) -> bool:
+    """Whether a GGUF file's blocks `parts` can stand for the layers `modules` side by side in a BlockLinear:
+    one part per layer of its shape, every part but the last a multiple of 16 rows."""
+    return bool(parts) and all(p is not None for p in parts) and all(p.rows % 16 == 0 for p in parts[:-1]) and \
+        all(p.cols == parts[0].cols == m.weight.shape[1] and p.rows == m.weight.shape[0]
+            for p, m in zip(parts, modules))

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from quickdraft import LLM, SamplingParams
-from quickdraft.kv_pool import KVMemory
+from quickdraft.kv import KVMemory
 
 DATASET = Path(__file__).resolve().parents[2] / "shared" / "bench" / "spec_bench_dev.jsonl"
 

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator, Sequence as Seq
 import torch
 from torch import nn
 
-from quickdraft import kv_pool, structured
+from quickdraft import kv, structured
 from quickdraft.drafts import METHODS, DraftContext, LoadedDraft, Proposer, SpeculativeConfig, build_proposer, read_config
 from quickdraft.engine import Engine, RequestMetrics
 from quickdraft.errors import QuickdraftError
@@ -132,7 +132,7 @@ class LLM:
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise QuickdraftError(f"{name} must be an integer >= 1, got {value!r}")
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        kv_pool.check_budget(kv_cache_memory)  # before anything loads
+        kv.check_budget(kv_cache_memory)  # before anything loads
         self.device = loader.resolve_device(device)
         if isinstance(model, nn.Module) and isinstance(dtype, str) and dtype == "auto":
             self.dtype = next(model.parameters()).dtype  # a model object keeps its dtype unless told otherwise
@@ -175,9 +175,9 @@ class LLM:
         self._seed = seed
         self._seed_rng = random.Random(seed)
         # The KV cache budget in bytes (None: unbounded), measured after the models are loaded.
-        self.kv_cache_memory = kv_pool.resolve_budget(kv_cache_memory, self.device)
-        if self.kv_cache_memory is not None and not kv_pool.estimate(self.engine, self.kv_cache_memory)["total_blocks"]:
-            estimate = kv_pool.estimate(self.engine, None)
+        self.kv_cache_memory = kv.resolve_budget(kv_cache_memory, self.device)
+        if self.kv_cache_memory is not None and not kv.estimate(self.engine, self.kv_cache_memory)["total_blocks"]:
+            estimate = kv.estimate(self.engine, None)
             raise QuickdraftError(f"kv_cache_memory of {self.kv_cache_memory} bytes holds no block of KV cache "
                                   f"(16 positions x {estimate['bytes_per_token']} bytes per token); give more")
         # Prefix caching by default only where a kept block holds exactly what a fresh prefill computes (the
@@ -185,7 +185,7 @@ class LLM:
         # prefix could change a near-tie, so it is the user's choice.
         self.enable_prefix_caching = self.target.rows_invariant if enable_prefix_caching is None \
             else enable_prefix_caching
-        self.kv_memory = kv_pool.KVMemory(self.engine, self.kv_cache_memory, self.enable_prefix_caching)
+        self.kv_memory = kv.KVMemory(self.engine, self.kv_cache_memory, self.enable_prefix_caching)
         self._grammar_tokenizer = None  # llguidance's form of the tokenizer, built by the first structured request
 
     def with_speculative_config(self, speculative_config: dict[str, Any] | SpeculativeConfig) -> "LLM":
@@ -202,7 +202,7 @@ class LLM:
         # config would, and this one's stream is not advanced (LLM(seed=1).generate(p) gives the same text
         # before and after a with_speculative_config call; bench, check and tune make such calls).
         other._seed_rng = random.Random(self._seed)
-        other.kv_memory = kv_pool.KVMemory(other.engine, other.kv_cache_memory, other.enable_prefix_caching)
+        other.kv_memory = kv.KVMemory(other.engine, other.kv_cache_memory, other.enable_prefix_caching)
         return other
 
     # --- construction -------------------------------------------------------------------------------------
@@ -330,7 +330,7 @@ class LLM:
         """The KV cache before running: bytes per token (target, plus a draft model's own caches: layers x
         kv_heads x head_dim x 2 x dtype size each), and with kv_cache_memory the budget in bytes, its blocks of
         16 positions and the tokens they hold (each scheduler gets this budget)."""
-        return kv_pool.estimate(self.engine, getattr(self, "kv_cache_memory", None))
+        return kv.estimate(self.engine, getattr(self, "kv_cache_memory", None))
 
     def _output(self, text: str | None, prompt_ids: list[int], request: Request) -> RequestOutput:
         completions = []

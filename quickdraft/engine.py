@@ -21,6 +21,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.models.base import Runner
 from quickdraft.params import SamplingParams
 from quickdraft.sequence import Logprob, PositionLogprobs, RequestMetrics, Sequence, prefetch_log_noise
+from quickdraft.step_batch import StepBatch
 
 __all__ = ["Engine", "RequestMetrics", "Sequence"]
 
@@ -37,7 +38,8 @@ class Engine:
                  eos_token_ids: set[int] | None = None, max_len: int | None = None, adaptive_k: bool = False,
                  relaxed_threshold: float | None = None):
         if num_speculative_tokens < 0:
-            raise QuickdraftError(f"num_speculative_tokens must be >= 0 (0: plain decoding), got {num_speculative_tokens}")
+            raise QuickdraftError("num_speculative_tokens must be >= 0 (0: plain decoding), "
+                                  f"got {num_speculative_tokens}")
         self.target = target
         self.proposer = proposer
         self.k = num_speculative_tokens
@@ -239,93 +241,85 @@ class Engine:
             lo += int(draft.numel()) + 1
         return out
 
-    def _verify_batch(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[torch.Tensor],
-                      proposals: list[Proposal]) -> list[tuple[int, int]]:
-        """Verify every sequence of the step: (drafts accepted, the target's token after them) each.
-
-        logits: [sum(k_i + 1), V], sequence i's k_i + 1 rows in order (row j scores draft j, row k_i the bonus).
-        Each row is processed with its sequence's parameters: penalties per sequence (they depend on its
-        history), then temperature, top-k, top-p and min-p for all sampled rows of the step in one pass
-        (sampling.probs_rows). Greedy sequences take the argmax (one argmax over the whole step), seeded ones
-        the argmax of their noise-keyed scores, the others rejection sampling with their own generator. The
-        results (and the drafts) come back to the host in one read."""
-        bounds, row = [], 0
-        for draft in drafts:
-            bounds.append((row, row + int(draft.numel()) + 1))
-            row = bounds[-1][1]
-        processed = logits  # [R, V]
+    @staticmethod
+    def _processed_rows(seqs: list[Sequence], logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """The step's rows [num_rows, V] as verification reads them: each sequence's grammar mask, logit bias and
+        penalties (at row j, its history plus draft[:j]); then the sampled sequences' rows as probabilities."""
+        processed = logits
         adjusted = [seq.penalties is not None or seq.params.logit_bias is not None or seq.grammar is not None
                     for seq in seqs]
         if any(adjusted):
             processed = logits.clone()
-            for seq, draft, (lo, hi), adjust in zip(seqs, drafts, bounds, adjusted):
+            for i, (seq, adjust) in enumerate(zip(seqs, adjusted)):
                 if adjust:
+                    (lo, hi), draft = batch.rows(i), batch.drafts(i)
                     rows = processed[lo:hi]
                     if seq.grammar is not None:  # row i at the grammar's state after draft[:i]: the draft's own
                         rows = seq.grammar_masked(rows, draft.tolist())
                     seen, counts = seq.penalties.rows(draft, hi - lo) if seq.penalties is not None else (None, None)
                     processed[lo:hi] = sampling.apply_penalties(rows, seq.params, seen, counts)
-        sampled = [(lo, hi, seq.params) for seq, (lo, hi) in zip(seqs, bounds) if not seq.params.greedy]
+        sampled = [(*batch.rows(i), seq.params) for i, seq in enumerate(seqs) if not seq.params.greedy]
         if sampled:
             index = torch.tensor([r for lo, hi, _ in sampled for r in range(lo, hi)], device=processed.device)
             params = [p for lo, hi, p in sampled for _ in range(lo, hi)]
             processed = processed.index_copy(0, index, sampling.probs_rows(processed.index_select(0, index), params))
+        return processed
 
+    def _verify_batch(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[torch.Tensor],
+                      proposals: list[Proposal]) -> list[tuple[int, int]]:
+        """Verify every sequence of the step: (drafts accepted, the target's token after them) each.
+
+        logits: [sum(k_i + 1), V], sequence i's k_i + 1 rows in order (row j scores draft j, row k_i the bonus):
+        the layout StepBatch names. Each row is processed with its sequence's parameters (_processed_rows: its
+        penalties, then temperature, top-k, top-p and min-p for all sampled rows of the step in one pass); then
+        verify.py's rules: greedy sequences match the argmax (one argmax over the whole step) and seeded ones the
+        argmax of their noise-keyed scores, all in one verify.greedy_accept over the batch; the others are
+        rejection sampled with their own generator. The results come back to the host in one read."""
+        batch = StepBatch.build(drafts, [proposal.probs for proposal in proposals])
+        processed = self._processed_rows(seqs, logits, batch)  # [num_rows, V]: logits (greedy) or probabilities
         vocab = processed.shape[-1]
-        prefetch_log_noise([(seq, len(seq.output_ids), hi - lo) for seq, (lo, hi) in zip(seqs, bounds)
+        prefetch_log_noise([(seq, len(seq.output_ids), batch.num_draft_tokens[i] + 1) for i, seq in enumerate(seqs)
                             if not seq.params.greedy and seq.noise_key is not None], vocab)
-        on_device = [processed.argmax(-1)]  # [R]: the greedy rows' tokens (others unused)
-        filled = row  # values in on_device so far
-        reads = []  # per sequence: (kind, where its target tokens or (accepted, token) pair sit in on_device,
-        #             where its relaxed test's k results sit, or None)
         relaxed = self.relaxed_threshold
-        for seq, draft, proposal, (lo, hi) in zip(seqs, drafts, proposals, bounds):
+        matched = [seq.params.greedy or seq.noise_key is not None for seq in seqs]
+        seeded_rows, seeded_draws = [], []  # seeded sequences' rows and the target's own draws there
+        passes = []  # per sequence [k_i]: the LOSSY relaxed test's results (relaxed acceptance only)
+        pairs = []  # per rejection-sampled sequence, on the device: (accepted, token)
+        for i, (seq, is_matched) in enumerate(zip(seqs, matched)):
+            (lo, hi), draft, q = batch.rows(i), batch.drafts(i), batch.draft_probs[i]
             k = hi - lo - 1
-            q = None if proposal.probs is None else proposal.probs[:k][None]
-            if seq.params.greedy or seq.noise_key is not None:
-                if seq.params.greedy:
-                    at = lo
-                else:
-                    scores = sampling.scores_with_log_noise(processed[lo:hi], seq.log_noise(len(seq.output_ids), hi - lo, vocab))
-                    at = filled
-                    on_device.append(scores.argmax(-1))  # [k_i + 1]: the target's own draws at these positions
-                    filled += hi - lo
-                passes_at = None
-                if relaxed is not None and k > 0:  # LOSSY: see SpeculativeConfig.acceptance
-                    if seq.params.greedy:  # p(x) >= threshold * the target's top probability
-                        probs = torch.softmax(processed[lo:lo + k].float(), -1)  # [k, V]
-                        px = probs.gather(-1, draft[:, None].to(probs.device)).squeeze(-1)
-                        passes = px >= relaxed * probs.max(-1).values
-                    else:
-                        passes = verify.relaxed_accepts(processed[lo:lo + k][None], q, draft[None], relaxed)[0]
-                    passes_at = filled
-                    on_device.append(passes)
-                    filled += k
-                reads.append(("tokens", at, passes_at))
-            else:
+            q = None if q is None else q[None]
+            if not is_matched:
                 accepted, token = verify.rejection_sample(processed[lo:hi][None], q, draft[None], seq.generator,
                                                           relaxed)
-                reads.append(("pair", filled, None))
-                on_device.append(torch.stack([accepted[0], token[0]]))
-                filled += 2
-        draft_at = filled
-        values = torch.cat([t.reshape(-1).to(torch.long) for t in on_device]
-                           + [d.to(processed.device) for d in drafts]).tolist()  # the step's one host sync
-        results, offset = [], draft_at
-        for (kind, at, passes_at), draft in zip(reads, drafts):
-            k = int(draft.numel())
-            proposed = values[offset: offset + k]
-            offset += k
-            if kind == "pair":
-                results.append((values[at], values[at + 1]))
-                continue
-            # Greedy matching of the target's tokens (argmax, or its seeded draws): the longest agreeing prefix
-            # (relaxed: or passing the relaxed test).
-            targets = values[at: at + k + 1]
-            passes = values[passes_at: passes_at + k] if passes_at is not None else [0] * k
-            accepted = next((j for j in range(k) if proposed[j] != targets[j] and not passes[j]), k)
-            results.append((accepted, targets[accepted]))
-        return results
+                pairs.append(torch.stack([accepted[0], token[0]]))
+            elif not seq.params.greedy:
+                scores = sampling.scores_with_log_noise(processed[lo:hi], seq.log_noise(len(seq.output_ids), hi - lo,
+                                                                                        vocab))
+                seeded_rows.extend(range(lo, hi))
+                seeded_draws.append(scores.argmax(-1))  # [k_i + 1]: the target's own draws at these positions
+            if relaxed is not None:  # LOSSY: see SpeculativeConfig.acceptance
+                if not is_matched or k == 0:  # rejection sampling took its own relaxed test
+                    passes.append(torch.zeros(k, dtype=torch.bool, device=processed.device))
+                elif seq.params.greedy:  # p(x) >= threshold * the target's top probability
+                    passes.append(verify.relaxed_greedy_accepts(processed[lo:lo + k][None], draft[None], relaxed)[0])
+                else:
+                    passes.append(verify.relaxed_accepts(processed[lo:lo + k][None], q, draft[None], relaxed)[0])
+        on_device = []
+        if any(matched):
+            # Greedy matching of the target's tokens (argmax, or its seeded draws) over the whole batch; the rows
+            # of rejection-sampled sequences take part but their results are not read.
+            target_tokens = processed.argmax(-1)  # [num_rows]
+            if seeded_draws:
+                target_tokens = target_tokens.index_copy(
+                    0, torch.tensor(seeded_rows, device=processed.device), torch.cat(seeded_draws))
+            on_device.extend(verify.greedy_accept(target_tokens, batch.draft_token_ids, batch.num_draft_tokens,
+                                                  torch.cat(passes) if relaxed is not None else None))
+        values = torch.cat([t.reshape(-1).to(torch.long) for t in on_device + pairs]).tolist()  # the one host sync
+        size = len(seqs) if on_device else 0
+        pair_values = iter(values[2 * size:])
+        return [(values[i], values[size + i]) if is_matched else (next(pair_values), next(pair_values))
+                for i, is_matched in enumerate(matched)]
 
     def run(self, seq: Sequence) -> Iterator[list[int]]:
         """Step until the sequence finishes, yielding each step's committed tokens."""

@@ -8,7 +8,7 @@ caches of sequences that finished, and returns one `SequenceUpdate` per sequence
 `abort_request` drops a request's sequences at once, waiting or running. This is the interface the API's
 `generate` drives, and the one a server drives.
 
-With a KV pool (quickdraft.kv_pool: a memory budget in blocks of 16 positions over the target's and a draft
+With a KV pool (quickdraft.kv: a memory budget in blocks of 16 positions over the target's and a draft
 model's caches), before each step every running sequence must be able to grow to len(token_ids) + K + 1
 positions (target and draft caches); when the pool cannot grant it, the most recently admitted running
 sequence is preempted: its caches and blocks are freed and it goes back to the FRONT of the waiting queue as a
@@ -28,7 +28,7 @@ from typing import Any, Callable
 from quickdraft.detokenize import Detokenizer
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
-from quickdraft.kv_pool import KVMemory, KVPoolFull, StaticSequenceCache, round_up
+from quickdraft.kv import KVMemory, KVPoolFull, StaticSequenceCache, round_up
 from quickdraft.params import SamplingParams
 from quickdraft.sequence import PositionLogprobs, Sequence
 

@@ -5,8 +5,11 @@ Seeded sampled requests are verified by greedy matching too, of the target's own
 draw from its distribution, the same draw plain decoding makes, and a draft is accepted where it equals it.
 The output is then plain sampling's output token for token, whatever K and whatever the draft.
 
-Pure tensor functions, batched over a leading dimension B, with no host synchronisation: the caller reads
-the results once per step.
+Every acceptance rule of the engine lives here: greedy matching (greedy_accept, ragged over the step's
+sequences), rejection sampling (rejection_sample) and the LOSSY relaxed tests (relaxed_accepts,
+relaxed_greedy_accepts). Pure tensor functions, batched over a leading dimension B (greedy_accept: ragged, as
+quickdraft.step_batch.StepBatch lays the step out), with no host synchronisation: the caller reads the results
+once per step.
 
 Position convention (the classic off-by-one): the target is run on [last committed token, d_1, ..., d_K];
 its output row i is the distribution of the token *after* input i, so row i scores draft token d_{i+1}
@@ -20,17 +23,40 @@ import torch
 from quickdraft.sampling import draw
 
 
-def greedy_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accept the longest prefix of draft tokens equal to the target's argmax.
+def greedy_accept(target_tokens: torch.Tensor, draft_tokens: torch.Tensor, num_draft_tokens: list[int],
+                  passes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept each sequence's longest prefix of draft tokens equal to the target's own tokens, ragged over a
+    batch (the layout of quickdraft.step_batch.StepBatch).
 
-    target_logits: [B, K+1, V] (processed, e.g. penalised), draft_tokens: [B, K].
-    Returns (num_accepted [B], next_token [B]): the target's own choice after the accepted prefix."""
-    target_tokens = target_logits.argmax(-1)
-    k = draft_tokens.shape[-1]
-    matches = (target_tokens[:, :k] == draft_tokens).long()
-    num_accepted = matches.cumprod(-1).sum(-1)
-    next_token = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)
+    target_tokens: [num_rows] the target's token at each row (the argmax of its processed logits, or a seeded
+    request's noise-keyed draw); sequence i's k_i + 1 rows follow sequence i - 1's. draft_tokens:
+    [num_draft_tokens] the drafts, flat; num_draft_tokens: [batch] the k_i (host integers: shapes). passes:
+    [num_draft_tokens] bool or None: drafts that pass whatever they match (LOSSY relaxed acceptance only).
+    Returns (num_accepted [batch], next_token [batch]): next_token is the target's own token after the accepted
+    prefix (a correction, or the bonus when all k_i are accepted). No host synchronisation."""
+    device = target_tokens.device
+    batch, total = len(num_draft_tokens), sum(num_draft_tokens)
+    ks = torch.tensor(num_draft_tokens, device=device)  # [batch]
+    first_draft = ks.cumsum(0) - ks  # [batch]
+    seq = torch.repeat_interleave(torch.arange(batch, device=device), ks, output_size=total)  # [num_draft_tokens]
+    flat = torch.arange(total, device=device)
+    # Sequence i's draft j sits at flat index first_draft[i] + j and is scored by row first_draft[i] + i + j.
+    stops = target_tokens[flat + seq] != draft_tokens.to(device)
+    if passes is not None:
+        stops &= ~passes.to(device)
+    local = flat - first_draft[seq]
+    num_accepted = ks.scatter_reduce(0, seq, torch.where(stops, local, ks[seq]), "amin")  # first stop, else k_i
+    next_token = target_tokens[first_draft + torch.arange(batch, device=device) + num_accepted]
     return num_accepted, next_token
+
+
+def relaxed_greedy_accepts(logits: torch.Tensor, draft_tokens: torch.Tensor, threshold: float) -> torch.Tensor:
+    """LOSSY: whether each draft token x of a greedy request passes the relaxed test p(x) >= threshold * max p,
+    p the softmax of the target's processed logits (greedy decoding's counterpart of relaxed_accepts: the
+    target's top probability stands for q(x)). logits: [B, K, V], draft_tokens: [B, K]. Returns bool [B, K]."""
+    probs = torch.softmax(logits.float(), -1)
+    px = probs.gather(-1, draft_tokens[..., None].to(probs.device)).squeeze(-1)
+    return px >= threshold * probs.max(-1).values
 
 
 def _as_draft_probs(q: torch.Tensor | None, draft_tokens: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

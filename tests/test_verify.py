@@ -156,9 +156,47 @@ def test_greedy_accept_counts_matching_prefix_and_uses_the_right_position():
     logits = torch.full((1, 4, V), -1.0)
     for i, tok in enumerate([3, 1, 4, 0]):
         logits[0, i, tok] = 1.0
-    assert [t.tolist() for t in greedy_accept(logits, torch.tensor([[3, 1, 4]]))] == [[3], [0]]  # bonus
-    assert [t.tolist() for t in greedy_accept(logits, torch.tensor([[3, 2, 4]]))] == [[1], [1]]  # correction
-    assert [t.tolist() for t in greedy_accept(logits, torch.tensor([[0, 1, 4]]))] == [[0], [3]]
+    target = logits[0].argmax(-1)  # [num_rows]: the target's tokens, as the engine hands them over
+
+    def accept(drafts):
+        return greedy_accept(target, torch.tensor(drafts), [len(drafts)])
+
+    assert [t.tolist() for t in accept([3, 1, 4])] == [[3], [0]]  # bonus
+    assert [t.tolist() for t in accept([3, 2, 4])] == [[1], [1]]  # correction
+    assert [t.tolist() for t in accept([0, 1, 4])] == [[0], [3]]
+
+
+def _no_drafts():
+    return torch.empty(0, dtype=torch.long)
+
+
+def test_greedy_accept_is_ragged_over_the_batch():
+    """Sequences of k = 0, 3, 2 and 0 drafts, their rows one after another (k + 1 each): each sequence's
+    accepted prefix and next token come from its own rows only."""
+    # rows:          seq 0 | seq 1        | seq 2   | seq 3
+    target = torch.tensor([7, 1, 2, 9, 4, 6, 8, 3, 5])
+    drafts = torch.tensor([1, 2, 3, 6, 8])  # seq 1: 1 2 (3 rejected, 9 corrects it); seq 2: 6 8 (bonus 3)
+    accepted, token = greedy_accept(target, drafts, [0, 3, 2, 0])
+    assert accepted.tolist() == [0, 2, 2, 0] and token.tolist() == [7, 9, 3, 5]
+    # LOSSY relaxed passes: a passing draft is kept whatever it matches; the first failure still stops.
+    passes = torch.tensor([False, False, True, False, False])
+    accepted, token = greedy_accept(target, drafts, [0, 3, 2, 0], passes)
+    assert accepted.tolist() == [0, 3, 2, 0] and token.tolist() == [7, 4, 3, 5]
+    accepted, token = greedy_accept(target, torch.tensor([5, 2, 3, 6, 8]), [0, 3, 2, 0],
+                                    torch.tensor([False, True, True, False, False]))
+    assert accepted.tolist() == [0, 0, 2, 0] and token.tolist() == [7, 1, 3, 5]
+    assert [t.tolist() for t in greedy_accept(torch.tensor([4, 2]), _no_drafts(), [0, 0])] == [[0, 0], [4, 2]]
+
+
+def test_relaxed_greedy_test_passes_where_p_reaches_threshold_times_the_top_probability():
+    from quickdraft.verify import relaxed_greedy_accepts
+
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]], dtype=DTYPE))  # [B=1, K=2, V=3]
+    draft = torch.tensor([[1, 0]])
+    # 0.3 >= 0.5 * 0.5 passes, 0.1 >= 0.5 * 0.8 does not; at 0.1 both pass; the argmax always passes.
+    assert relaxed_greedy_accepts(logits, draft, 0.5).tolist() == [[True, False]]
+    assert relaxed_greedy_accepts(logits, draft, 0.1).tolist() == [[True, True]]
+    assert relaxed_greedy_accepts(logits, torch.tensor([[0, 2]]), 1.0).tolist() == [[True, True]]
 
 
 def test_relaxed_test_passes_where_p_reaches_threshold_times_q():

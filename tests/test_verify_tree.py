@@ -65,7 +65,7 @@ def test_a_chain_is_todays_greedy_accept():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(200, 4, 3, generator=gen)
     drafts = torch.randint(3, (200, 3), generator=gen)
-    n, token = greedy_accept(logits, drafts)
+    n, token = greedy_accept(logits.argmax(-1).reshape(-1), drafts.reshape(-1), [3] * 200)  # ragged: 200 chains
     verdict = tree_greedy_accept(TokenTree.chain(drafts, DET), logits)
     assert torch.equal(verdict.num_accepted, n) and torch.equal(verdict.next_token, token)
     assert n.unique().numel() == 4  # every outcome 0..3 occurs

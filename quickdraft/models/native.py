@@ -32,7 +32,7 @@ from torch import nn
 from quickdraft import kernels
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels.quant import QuantizedWeight
-from quickdraft.kv_pool import StaticSequenceCache
+from quickdraft.kv.static_cache import StaticSequenceCache
 from quickdraft.models.base import QUANTIZATION_SCHEMES, check_batch
 from quickdraft.models.config import get_text_config
 from quickdraft.models.families import FAMILIES, NO_ROPE, STATIC_ROPE_TYPES, FamilySettings, sliding_window, \

@@ -3,23 +3,17 @@
 import random
 
 import pytest
-import torch
 
 from conftest import tiny_gemma3, tiny_llama
 from quickdraft import LLM, SamplingParams
+from quickdraft.cache import SequenceCache
 from quickdraft.errors import QuickdraftError
-from quickdraft.kv_pool import KVPool, KVPoolFull, runner_bytes_per_token
+from quickdraft.kv import KVPool, KVPoolFull, PoolGrantedCache
 
 BASE = [5, 9, 3, 7, 5, 9, 3, 1, 2, 5, 9, 4, 4, 8, 1, 5, 9, 3]
 PROMPTS = [BASE[:n] for n in (3, 11, 7, 18, 1, 5)]
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run on one thread
 
 
 def _config(build, method):
@@ -43,50 +37,56 @@ def _run(scheduler, prompts, params, abort=None):
     return outputs, waited
 
 
-def test_bytes_per_token_matches_the_allocated_tensors():
-    llm = LLM(tiny_llama(seed=0), speculative_config=_config(tiny_llama, "draft_model"), kv_cache_memory=1 << 20)
-    estimate = llm.kv_cache_estimate()
-    target, draft = llm.target, llm.proposer.runner
-    assert estimate["bytes_per_token"] == runner_bytes_per_token(target) + runner_bytes_per_token(draft)
-    assert runner_bytes_per_token(target) == 4 * 2 * 8 * 2 * 4  # layers x kv heads x head dim x (k, v) x fp32
-    assert estimate["total_blocks"] == (1 << 20) // (16 * estimate["bytes_per_token"])
-    assert estimate["max_tokens"] == 16 * estimate["total_blocks"]
-    for runner in (target, draft):
-        cache = runner.new_cache()
-        cache.reserve(100)
-        assert cache.capacity % 16 == 0 and cache.capacity >= 100
-        assert cache.nbytes == cache.capacity * runner_bytes_per_token(runner) == cache.capacity * cache.bytes_per_token
-    # Without a draft model only the target counts.
-    plain = LLM(tiny_llama(seed=0), speculative_config={"method": "ngram"})
-    assert plain.kv_cache_estimate()["bytes_per_token"] == runner_bytes_per_token(plain.target)
-    assert plain.kv_cache_estimate()["total_blocks"] is None
-
-
-def test_growth_is_block_granular_and_bounded_by_the_pool():
-    runner = LLM(tiny_llama(seed=0)).target
-    cache = runner.new_cache()
-    cache.reserve(1)
-    assert cache.capacity == 64
-    cache.reserve(65)
-    assert cache.capacity == 128  # + max(64, 25%)
-    cache.reserve(129)
-    assert cache.capacity == 192
-    cache.reserve(250)
-    assert cache.capacity == 256  # capped at max_len
-    pool = KVPool(runner_bytes_per_token(runner), 5 * 16 * runner_bytes_per_token(runner))
-    small = runner.new_cache()
-    assert pool.ensure(small, 20, small.bytes_per_token, runner.max_len)
-    assert small.capacity == 64 and pool.used_blocks == 4  # the policy's 64 while the pool has room
-    other = runner.new_cache()
-    assert pool.ensure(other, 10, other.bytes_per_token, runner.max_len)
-    assert other.capacity == 16 and pool.used_blocks == 5  # only what is left
-    assert not pool.ensure(other, 17, other.bytes_per_token, runner.max_len)
+def test_grants_are_whole_blocks_between_need_and_want_and_reclaim_comes_before_a_refusal():
+    pool = KVPool(bytes_per_token=10, budget_bytes=4 * 16 * 10 + 7)  # 4 blocks; the odd 7 bytes are not a block
+    assert (pool.total_blocks, pool.budget_bytes, pool.max_tokens) == (4, 640, 64)
+    a, b = object(), object()
+    assert pool.grant(a, 10, need=1, want=40) == 48  # rounded up to blocks
+    assert pool.used_blocks == 3 and pool.held_bytes(a) == 480
+    assert pool.grant(b, 10, need=5, want=64) == 16  # the most that fits, down to need
+    with pytest.raises(KVPoolFull, match="cannot grant 32 positions"):
+        pool.grant(b, 10, need=17, want=17)
+    assert pool.held_bytes(b) == 160  # a refused grant changes nothing
+    freed = []
+    pool.reclaim = lambda nbytes: freed.append(nbytes) or 0
     with pytest.raises(KVPoolFull):
-        other.reserve(40)
-    assert other.capacity == 16
-    small.release()
-    other.release()
-    assert pool.used_blocks == 0 and pool.used_bytes == 0
+        pool.grant(b, 10, need=32, want=32)
+    assert freed == [160]  # asked for exactly the shortfall first
+    pool.release(a)
+    assert pool.grant(b, 10, need=32, want=32) == 32 and pool.used_bytes == 320
+    assert not pool.take(a, 321) and pool.take(a, 320) and pool.free_bytes == 0
+    pool.give(a, 320)
+    with pytest.raises(ValueError, match="returned"):
+        pool.give(a, 1)
+    pool.release(b)
+    assert pool.used_bytes == 0 and pool.num_caches == 0
+
+
+def test_ensure_accounts_other_caches_by_their_length_and_lets_granted_caches_reserve():
+    pool = KVPool(bytes_per_token=10, budget_bytes=3 * 16 * 10)
+    plain = SequenceCache()  # the transformers runner's: allocates as it goes, accounted in whole blocks
+    assert pool.ensure(plain, 17, 10, limit=256) and pool.held_bytes(plain) == 320
+    assert pool.ensure(plain, 30, 10, limit=256) and pool.held_bytes(plain) == 320  # still within its blocks
+    assert not pool.ensure(plain, 49, 10, limit=256) and pool.held_bytes(plain) == 320
+    assert pool.ensure(plain, 49, 10, limit=40) and pool.held_bytes(plain) == 480  # capped at its max_len
+
+    class Granted(PoolGrantedCache):
+        def __init__(self):
+            self.pool, self.reserved = None, []
+
+        def attach_pool(self, pool):
+            self.pool = pool
+
+        def reserve(self, length):
+            self.reserved.append(length)
+            self.pool.grant(self, 10, length, length)
+
+    pool.release(plain)
+    granted = Granted()
+    assert pool.ensure(granted, 20, 10, limit=256) and granted.pool is pool and granted.reserved == [20]
+    assert pool.held_bytes(granted) == 320
+    assert not pool.ensure(granted, 100, 10, limit=256)  # its KVPoolFull is the pool's False
+    assert pool.held_bytes(granted) == 320
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])

@@ -1,4 +1,4 @@
-"""Prefix caching (quickdraft.kv_pool.PrefixCache): full blocks of KV kept by their token prefix and copied into
+"""Prefix caching (quickdraft/kv/prefix_cache.py): full blocks of KV kept by their token prefix and copied into
 later sequences that start alike.
 
 On the CPU kernels (bf16, rows computed alike whatever the call) a copied block is bitwise what a fresh prefill
@@ -14,7 +14,7 @@ from conftest import tiny_llama
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import cpu_linear
-from quickdraft.kv_pool import BLOCK_SIZE, KVPool, PrefixCache
+from quickdraft.kv import BLOCK_SIZE, KVPool, PrefixCache
 from quickdraft.models.native import NativeRunner
 from conftest import tiny_gemma16, tiny_llama16
 
@@ -149,7 +149,8 @@ def test_multi_turn_outputs_equal_those_without_prefix_caching(params):
         off.generate([{"prompt_token_ids": p} for p in first_turns], params)
     assert [o.outputs[0].token_ids for o in outs_on] == [o.outputs[0].token_ids for o in outs_off]
     # The second turn re-sends the conversation: prompt + answer + a new message.
-    second = [p + o.outputs[0].token_ids + _tokens(6, seed=20 + i) for i, (p, o) in enumerate(zip(first_turns, outs_on))]
+    second = [p + o.outputs[0].token_ids + _tokens(6, seed=20 + i)
+              for i, (p, o) in enumerate(zip(first_turns, outs_on))]
     again_on = on.generate([{"prompt_token_ids": p} for p in second], params)
     again_off = off.generate([{"prompt_token_ids": p} for p in second], params)
     assert [o.outputs[0].token_ids for o in again_on] == [o.outputs[0].token_ids for o in again_off]

@@ -1,0 +1,125 @@
+"""The native runner's per-sequence KV cache: preallocated tensors grown a block of 16 positions at a time.
+
+`StaticSequenceCache`: a native runner's keys and values for one sequence in preallocated tensors, grown a
+block of 16 positions (the packed key layout's unit) at a time; rollback is a length change. Under a KV budget
+it is a `PoolGrantedCache`: it holds exactly what the pool granted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from quickdraft.cache import SequenceCache
+from quickdraft.kv.pool import BLOCK_SIZE, KVPool, PoolGrantedCache, round_up, runner_bytes_per_token
+
+
+class StaticSequenceCache(SequenceCache, PoolGrantedCache):
+    """A native runner's keys and values for one sequence in preallocated tensors [layers, kv_heads, capacity,
+    head_dim] (keys packed [layers, kv_heads, capacity/16, head_dim/2, 16, 2] where the CPU kernels read
+    them), position i at index i. Rolling back only shortens the token list (SequenceCache.rollback): later
+    writes overwrite the rejected positions.
+
+    Growth is block-granular: the capacity is a multiple of 16 positions and grows by max(64 positions, 25%),
+    capped at the runner's max_len, keeping the contents. With a KV pool attached (the scheduler's memory
+    budget) the cache asks the pool first and holds exactly what it granted: between what was asked for and
+    the policy's size, or KVPoolFull."""
+
+    BLOCK = BLOCK_SIZE
+
+    def __init__(self, runner: Any):  # a quickdraft.models.native.NativeRunner
+        super().__init__()
+        self._runner = runner
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.pool: KVPool | None = None  # granting this cache's growth; None: no budget
+        # The prefix digests of its first full blocks (PrefixCache's bookkeeping; cut on rollback).
+        self.block_digests: list[bytes] = []
+
+    @property
+    def runner(self) -> Any:
+        return self._runner
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.values is None else self.values.shape[2]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return runner_bytes_per_token(self._runner)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes its tensors take now."""
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+
+    def attach_pool(self, pool: KVPool) -> None:
+        if self.pool is not None and self.pool is not pool:
+            raise ValueError("this cache already draws on another KV pool")
+        self.pool = pool
+
+    def reserve(self, length: int) -> None:
+        if length <= self.capacity:
+            return
+        need = round_up(length, self.BLOCK)
+        limit = max(round_up(self._runner.max_len, self.BLOCK), need)
+        want = min(max(need, round_up(self.capacity + max(64, self.capacity // 4), self.BLOCK)), limit)
+        if self.pool is not None:
+            want = self.pool.grant(self, self.bytes_per_token, need, want)  # raises KVPoolFull below `need`
+        self._resize(want)
+
+    def _resize(self, capacity: int) -> None:
+        r = self._runner
+        shape = (r.num_layers, r.num_kv_heads, capacity, r.head_dim)
+        values = torch.empty(shape, dtype=r.dtype, device=r.device)
+        if r.packed_keys:  # each head's keys packed like a weight (see kernels/cpu_attention.cpp)
+            keys = torch.empty((r.num_layers, r.num_kv_heads, capacity // 16, r.head_dim // 2, 16, 2),
+                               dtype=r.dtype, device=r.device)
+        else:
+            keys = torch.empty(shape, dtype=r.dtype, device=r.device)
+        if self.keys is not None:
+            used = len(self)
+            filled = -(-used // 16) if r.packed_keys else used  # blocks of 16 positions, or positions
+            keys[:, :, :filled] = self.keys[:, :, :filled]
+            values[:, :, :used] = self.values[:, :, :used]
+        self.keys, self.values = keys, values
+
+    def rollback(self, length: int) -> None:
+        super().rollback(length)
+        del self.block_digests[length // self.BLOCK:]
+
+    def release(self) -> None:
+        """Drop every position and the tensors, and give the blocks back to the pool."""
+        if self.pool is not None:
+            self.pool.release(self)
+        self.keys = self.values = None
+        self._token_ids = []
+        self._pending = []
+        self.block_digests = []
+
+    def read_block(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values of positions [16 index, 16 index + 16) (all layers and heads)."""
+        lo, hi = index * self.BLOCK, (index + 1) * self.BLOCK
+        keys = self.keys[:, :, index] if self._runner.packed_keys else self.keys[:, :, lo:hi]
+        return keys.clone(), self.values[:, :, lo:hi].clone()
+
+    def write_blocks(self, blocks: list[tuple[torch.Tensor, torch.Tensor]], token_ids: list[int]) -> None:
+        """Fill an empty cache with `blocks` (read_block's copies) as the positions of token_ids (16 per
+        block). The caller reserved room for them."""
+        if len(self) or len(token_ids) != len(blocks) * self.BLOCK or self.capacity < len(token_ids):
+            raise ValueError("write_blocks: an empty cache with room for exactly the blocks' tokens")
+        for index, (keys, values) in enumerate(blocks):
+            lo, hi = index * self.BLOCK, (index + 1) * self.BLOCK
+            if self._runner.packed_keys:
+                self.keys[:, :, index] = keys
+            else:
+                self.keys[:, :, lo:hi] = keys
+            self.values[:, :, lo:hi] = values
+        self._token_ids = list(token_ids)
+
+    def _new_kv(self) -> None:
+        return None  # keys and values live in self.keys / self.values
+
+    def _drop_kv(self, count: int) -> None:
+        pass  # positions past the length are overwritten by the next writes

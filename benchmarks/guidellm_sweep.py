@@ -133,7 +133,7 @@ def main() -> int:
                       f"ITL p50 {figures['itl_ms_p50'] or 0:6.1f} ms  ok {figures['successful']} "
                       f"errors {figures['errored']}", flush=True)
     finally:
-        for url, process in servers.values():
+        for _url, process in servers.values():
             if process is not None and process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
                 try:

@@ -1,6 +1,7 @@
 """The quantized linear kernels alone, compute-bound: nanoseconds a weight and row for each GGUF block type, kernel
 (bf16; int8 and int16 digits an activation on vpdpbusd; the same on AMX-INT8 tiles where the CPU has them, at
-every row count, to show the crossover the kernel's kAmxRows picks) and number of rows, on a matrix that stays in cache (so memory is not what is measured: the kernels' own cost).
+every row count, to show the crossover the kernel's kAmxRows picks) and number of rows, on a matrix that stays
+in cache (so memory is not what is measured: the kernels' own cost).
 
     .venv/bin/python benchmarks/quant_kernels.py [--threads 1] [--repeats 20] [--rows 1,2,4,8,16,64]
 

@@ -169,7 +169,7 @@ def main() -> None:
           f"quickdraft target load {load_s:.1f} s; memory read {bandwidth / 1e9:.1f} GB/s")
     reference = results["llama.cpp plain"]["rate"]
     plain_tokens = results.get("quickdraft none", {}).get("tokens")
-    print(f"| | code tok/s | Spec-Bench tok/s | all: median tok/s | vs llama.cpp plain | acceptance | greedy = none |")
+    print("| | code tok/s | Spec-Bench tok/s | all: median tok/s | vs llama.cpp plain | acceptance | greedy = none |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         by_kind = {k: [x for x, kk in zip(r["rate"], r["kind"]) if kk == k] for k in ("code", "spec-bench")}

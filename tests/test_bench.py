@@ -115,7 +115,7 @@ def test_bench_smoke(tiny_dataset, tmp_path):
 
     sweep = saved["k_sweep"]
     assert set(sweep) == {"ngram", "layers:1", "hf-lookup"}
-    for name, s in sweep.items():
+    for s in sweep.values():
         assert s["k"] == [1, 3] and s["best_k"] in (1, 3) and len(s["measured_speedup"]) == 2
         assert all(v is not None and v > 0 for v in s["measured_speedup"])
     assert all(p is not None and math.isfinite(p) for p in sweep["layers:1"]["predicted_speedup"])

@@ -140,7 +140,7 @@ def test_random_token_streams_chunked_equal_one_by_one():
     rng = random.Random(1234)
     alphabet = [0, 1, 2, 3, 4, 5, 6, 7, 8, 13]
     stop_pool = ["ab", "bc", "cd", "abcd", "bcdx", "xa", "d", "cdx", "dex", "aa"]
-    for trial in range(300):
+    for _ in range(300):
         tokens = [rng.choice(alphabet) for _ in range(rng.randint(1, 12))]
         stop = rng.sample(stop_pool, rng.randint(1, 3))
         include = rng.random() < 0.5

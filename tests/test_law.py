@@ -112,7 +112,7 @@ class _Tables:
                 rows = model(input_ids=torch.tensor([prompt + list(p) for p in prefixes])).logits[:, -1].double()
                 self.logits.update(zip(prefixes, rows))
 
-    @functools.lru_cache(maxsize=None)
+    @functools.lru_cache(maxsize=None)  # noqa: B019 (one world per test module, kept for the module's life)
     def probs(self, context: tuple, history: tuple | None = None) -> torch.Tensor:
         hist = PenaltyHistory(self.prompt, VOCAB, torch.device("cpu"))
         hist.append(list(context if history is None else history))
@@ -255,7 +255,7 @@ def _eagle_head() -> str:
     target = LLM(_models()[0], dtype="float32", device="cpu", speculative_config={"method": "none"}).target
     head = new_head(target, torch.tensor([0, 1, 3]), seed=3)
     with torch.no_grad():
-        for name, p in head.named_parameters():
+        for p in head.parameters():
             if p.requires_grad and p.dim() > 1:
                 p.mul_(8.0)
     directory = tempfile.mkdtemp(prefix="quickdraft-law-eagle-")

@@ -58,7 +58,7 @@ def test_batched_bf16_on_the_kernels_equals_batch_1(method):
 
     for build in (tiny_llama16, tiny_gemma16):
         target = build(seed=0).to(torch.bfloat16)
-        config = dict(_methods(lambda seed: build(seed=seed).to(torch.bfloat16))[method])
+        config = dict(_methods(lambda seed, build=build: build(seed=seed).to(torch.bfloat16))[method])
         llm = LLM(target, speculative_config=config)
         params = [SamplingParams(temperature=0, max_tokens=20 + i) for i in range(len(PROMPTS))]
         params[1] = SamplingParams(temperature=0.8, max_tokens=20, seed=1)

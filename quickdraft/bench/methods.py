@@ -232,7 +232,8 @@ class TransformersRunner(Runner):
 class LlamaCppRunner(Runner):
     """llama-cpp-python on the target's GGUF file (its quantized weights), plain or with prompt lookup."""
 
-    N_CTX = 4608  # the longest dev-set prompts (~4K tokens) + new tokens + drafts; llama.cpp keeps logits for all of it with a draft
+    # The longest dev-set prompts (~4K tokens) + new tokens + drafts; llama.cpp keeps logits for all of it with a draft.
+    N_CTX = 4608
 
     def __init__(self, spec: MethodSpec, k: int | None, label: str, target: Target):
         super().__init__(spec, k, label)

@@ -169,10 +169,10 @@ class SuffixIndex:
             n = len(toks)
             size = len(active)
             base = n - size  # active[i] is the suffix toks[base + i:]
-            i = 0
-            while active[i].limit is not None:  # open leaves grow with the doc by themselves
-                i += 1
-            for i in range(i, size):
+            first = 0
+            while active[first].limit is not None:  # open leaves grow with the doc by themselves
+                first += 1
+            for i in range(first, size):
                 node = active[i]
                 children = node.children
                 child = children.get(t) if children is not None else None

@@ -3,7 +3,8 @@
 1. Data: the target's own text. Prompts come from --prompts (a text or JSONL file, as `quickdraft check`
    reads them) or, with none, from the target itself: a chat model writes user questions (sampled at
    temperature 1 after its chat template's user header) and answers them; a base model samples the start of a
-   text from its beginning-of-text token (temperature 1) and continues it. Answers alternate greedy and sampled (--temperatures), so the head sees both laws.
+   text from its beginning-of-text token (temperature 1) and continues it. Answers alternate greedy and sampled
+   (--temperatures), so the head sees both laws.
    Each finished sequence then goes through the target once more (a prefill, rows computed as in decoding) for
    its final hidden states, and the target's greedy token at every position (the held-out estimate's
    reference). Shards are written as they are made (OUT/work/data-NNNN.safetensors) until --tokens are held.
@@ -22,7 +23,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys

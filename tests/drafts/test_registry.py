@@ -107,7 +107,7 @@ def test_the_flat_config_keeps_its_keys_errors_and_round_trip():
         SpeculativeConfig.from_dict({"method": "suffix", "quantization": "int8"})
     assert SpeculativeConfig.from_dict({"method": "suffix", "quantization": None}).to_dict() == {"method": "suffix"}
     with pytest.raises(AttributeError):
-        SpeculativeConfig.from_dict({"method": "suffix"}).num_layers
+        _ = SpeculativeConfig.from_dict({"method": "suffix"}).num_layers
 
 
 @pytest.mark.parametrize("draft, config", [

@@ -92,7 +92,7 @@ def build(family: str, overrides: dict, seed: int = 0):
     torch.manual_seed(seed)
     model = model_class(config_class(**settings)).eval()
     with torch.no_grad():  # random norm weights, so that Gemma's (1 + w) and Qwen 3's q/k norms matter
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.3)
     return _sharpen(model)

@@ -144,7 +144,7 @@ def test_direct_load_equals_the_transformers_path(tiny_gguf, tmp_path, monkeypat
     source = loader.resolve(str(tiny_gguf))
     bf16, cpu = torch.bfloat16, torch.device("cpu")
     runners = []
-    for attempt in ("cold", "warm"):  # warm: config and packed matrices from the cache (memory-mapped)
+    for _attempt in ("cold", "warm"):  # warm: config and packed matrices from the cache (memory-mapped)
         model, tokenizer, packed = loader.load_for_runner(source, bf16, cpu)
         assert packed is not None and all(p.device.type == "meta" for n, p in model.named_parameters()
                                           if n.endswith("proj.weight"))

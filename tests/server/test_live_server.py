@@ -1,8 +1,8 @@
 """The app under a real uvicorn on a loopback port (in a thread): a client that drops mid-stream (or gives up
-waiting for a whole response) has its request aborted and its KV blocks freed, a full queue answers 503 with Retry-After, a shutdown drains (new
-requests 503, in-flight ones finish, then the server exits), and a bounded burst of concurrent requests all
-get exactly LLM.generate's greedy text. Steps are held with a StepGate where a test needs requests in
-flight; no timing assertions."""
+waiting for a whole response) has its request aborted and its KV blocks freed, a full queue answers 503 with
+Retry-After, a shutdown drains (new requests 503, in-flight ones finish, then the server exits), and a bounded
+burst of concurrent requests all get exactly LLM.generate's greedy text. Steps are held with a StepGate where a
+test needs requests in flight; no timing assertions."""
 
 from __future__ import annotations
 

@@ -192,7 +192,7 @@ def test_module_app_reads_the_environment(monkeypatch):
     monkeypatch.setenv("QUICKDRAFT_MODEL", "env/model")
     monkeypatch.setenv("QUICKDRAFT_DEVICE", "cpu")
     monkeypatch.setenv("QUICKDRAFT_REPLICAS", "3")
-    deployment = getattr(importlib.import_module("quickdraft.server.ray_serve"), "app")._bound_deployment
+    deployment = importlib.import_module("quickdraft.server.ray_serve").app._bound_deployment
     llm_kwargs, config = deployment.init_args
     assert llm_kwargs["model"] == "env/model" and config.served_model_name == "env/model"
     assert deployment.num_replicas == 3

@@ -164,6 +164,11 @@ class Runner(ABC):
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> Generation:
         """Generate up to max_new_tokens after prompt_ids, stopping at EOS."""
 
+    @property
+    def proposer(self):
+        """quickdraft's draft proposer for this method, or None (the baselines have none)."""
+        return None
+
 
 class QuickdraftRunner(Runner):
     """quickdraft's engine, driven directly: no per-step detokenization, like the baselines."""
@@ -172,6 +177,10 @@ class QuickdraftRunner(Runner):
         super().__init__(spec, k, label)
         self.llm = llm
         self.engine = llm.engine.with_k(k or 0, adaptive_k=adaptive)
+
+    @property
+    def proposer(self):
+        return self.llm.proposer
 
     def generate(self, prompt_ids, max_new_tokens, temperature, seed) -> Generation:
         params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed)

@@ -246,7 +246,7 @@ def _cost_runners(reference, runners) -> dict:
     if reference.target.kind != "hf" and reference.target.quantized_weights is None:
         out["target (HFRunner)"] = HFRunner(reference.target.model)
     for runner in runners:
-        proposer = getattr(getattr(runner, "llm", None), "proposer", None)
+        proposer = runner.proposer
         # The draft runners that read token ids (an EAGLE head reads fused features, and is timed in its steps).
         draft = proposer.draft_runner if proposer is not None else None
         if draft is not None:

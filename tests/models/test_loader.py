@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from quickdraft.errors import ModelNotFoundError, QuickdraftError
-from quickdraft.models import loader
+from quickdraft.models import loader, sources
 
 
 def _gguf_file(path: Path) -> Path:
@@ -23,7 +23,7 @@ def alias(tmp_path, monkeypatch):
     """A fake alias `fake-alias` whose package holds tmp_path/pkg/fake.gguf."""
     target = _gguf_file(tmp_path / "pkg" / "fake.gguf")
     aliases = {**loader.ALIASES, "fake-alias": loader.Alias("pip install fake-pkg", lambda: target, "a fake")}
-    monkeypatch.setattr(loader, "ALIASES", aliases)
+    monkeypatch.setattr(sources, "ALIASES", aliases)
     return target
 
 
@@ -37,7 +37,7 @@ def test_an_alias_without_its_package_says_what_to_install(monkeypatch):
     def missing():
         raise ModuleNotFoundError("no module", name="fake_pkg")
 
-    monkeypatch.setattr(loader, "ALIASES", {"fake-alias": loader.Alias("pip install fake-pkg", missing, "a fake")})
+    monkeypatch.setattr(sources, "ALIASES", {"fake-alias": loader.Alias("pip install fake-pkg", missing, "a fake")})
     with pytest.raises(ModelNotFoundError, match=r"needs its package, which is not installed \(fake_pkg\); "
                                                  r"install it with: pip install fake-pkg"):
         loader.resolve("fake-alias")

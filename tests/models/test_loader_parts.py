@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from quickdraft.errors import ModelNotFoundError, QuickdraftError
-from quickdraft.models import loader
+from quickdraft.models import loader, sources
 
 
 def _make_parts(root: Path, stem: str, chunks: list[bytes]) -> None:
@@ -45,7 +45,7 @@ def test_parts_assembled_once_and_checked(parts, monkeypatch):
     assert sorted(p.name for p in parts.cache.iterdir()) == ["fake.gguf", "fake.gguf.sha256.json"]
     # A second locate neither reassembles nor rehashes the unchanged file.
     monkeypatch.setattr(loader.PartedGGUF, "_assemble", lambda *a: pytest.fail("assembled again"))
-    monkeypatch.setattr(loader, "_sha256", lambda p: pytest.fail("hashed again"))
+    monkeypatch.setattr(sources, "_sha256", lambda p: pytest.fail("hashed again"))
     assert parts.parted.locate() == path
 
 
@@ -74,14 +74,14 @@ def test_wrong_hash_is_an_error_and_leaves_no_file(parts):
 
 def test_part_of_another_version_is_named(parts, monkeypatch):
     versions = {parts.parted.package.format(1): "0.1.0", parts.parted.package.format(2): "0.0.9"}
-    monkeypatch.setattr(loader.importlib.metadata, "version", lambda name: versions.get(name, "0.1.0"))
+    monkeypatch.setattr(sources.importlib.metadata, "version", lambda name: versions.get(name, "0.1.0"))
     with pytest.raises(ModelNotFoundError, match=rf"{parts.parted.package.format(2)} is version 0\.0\.9"):
         parts.parted.locate()
 
 
 def test_no_disk_space_is_an_error_before_writing(parts, monkeypatch):
     Usage = namedtuple("Usage", "total used free")
-    monkeypatch.setattr(loader.shutil, "disk_usage", lambda p: Usage(1 << 30, 1 << 30, 1000))
+    monkeypatch.setattr(sources.shutil, "disk_usage", lambda p: Usage(1 << 30, 1 << 30, 1000))
     with pytest.raises(QuickdraftError, match=r"needs 0\.00 GiB .* QUICKDRAFT_CACHE"):
         parts.parted.locate()
     assert list(parts.cache.iterdir()) == []

@@ -129,7 +129,8 @@ def tree_acceptance(tree: TokenTree, target_probs: torch.Tensor, draft_probs: to
       recursive form of SpecTr's k-sequential selection (Sun et al. 2023). A repeated token is its own trial:
       its acceptance is then 0 (r_{j-1}(x) = 0 after x was rejected) but its residual step still counts.
     - WITHOUT_REPLACEMENT: q_j = q with x_1..x_{j-1} removed and renormalised, the law of the j-th draw of
-      sampling without replacement (Recursive Speculative Decoding, Jeon et al. 2024; also Sequoia's rule).
+      sampling without replacement (the recursive rejection sampling of Recursive Speculative Decoding, Jeon et
+      al. 2024, arXiv:2402.14160).
     - DETERMINISTIC (top-k by draft probability as EAGLE-2 ranks them, lookups): x_j is a function of the
       context, so its law is the point mass at x_j: q_j is one-hot, child j is accepted with probability
       r_{j-1}(x_j) and a rejected child is removed from the residual. The result: the row emits a draw from p

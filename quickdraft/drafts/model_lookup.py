@@ -15,7 +15,7 @@ missed tokens) at its next step; like draft_model's catch-ups, such a step is no
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from quickdraft.drafts.base import Proposal, Proposer
 from quickdraft.drafts.draft_model import DraftModelOptions, DraftModelProposer, DraftModelState
@@ -37,12 +37,10 @@ class ModelLookupOptions(DraftModelOptions, SuffixOptions):
 
 @dataclass
 class ModelLookupState(DraftModelState):
-    """The draft model's state (its cache: what the KV budget counts), the sequence's suffix doc, and the lookup
-    draft planned for its history's length `planned_at` (empty: the model drafts this step)."""
+    """The draft model's state (its cache: what the KV budget counts) and the sequence's suffix state (its doc
+    and the lookup draft for its history's length)."""
 
     lookup: SuffixState | None = None
-    plan: list[int] = field(default_factory=list)
-    planned_at: int = -1
 
 
 class ModelLookupProposer(Proposer):
@@ -85,6 +83,8 @@ class ModelLookupProposer(Proposer):
     def new_state(self, seq, lookup: SuffixState | None = None) -> ModelLookupState:
         """A fresh model state; `lookup`: the suffix doc of a preempted sequence, which goes on."""
         model = self.model.new_state(seq)
+        if lookup is not None:
+            lookup.at = -1  # a rerun looks up afresh
         return ModelLookupState(model.kv_cache, model.translation,
                                 lookup if lookup is not None else self.lookup.new_state(seq))
 
@@ -97,13 +97,9 @@ class ModelLookupProposer(Proposer):
         seq.draft_state = None
 
     def _plan(self, seq) -> list[int]:
-        """The lookup draft for seq's current history (empty: the model drafts this step), computed once a step."""
-        state = seq.draft_state
-        if state.planned_at != len(seq.token_ids):
-            draft = self.lookup.lookup(state.lookup, seq, self.lookup.max_spec_tokens)
-            state.plan = draft if len(draft) >= self.lookup_min_tokens else []
-            state.planned_at = len(seq.token_ids)
-        return state.plan
+        """The lookup draft for seq's current history (empty: the model drafts this step), looked up once a step."""
+        draft = self.lookup.drafted(seq.draft_state.lookup, seq)
+        return draft if len(draft) >= self.lookup_min_tokens else []
 
     def prepare(self, seqs) -> None:
         for seq in seqs:

@@ -125,9 +125,16 @@ class SuffixProposer(Proposer):
     def update_draft(self, seq) -> list[int]:
         """Index the tokens seq committed since the last step and draft for its history now; the draft is kept
         on its state, for max_draft_tokens (the engine's K) and propose."""
-        state = seq.draft_state
+        return self._redraft(seq.draft_state, seq)
+
+    def _redraft(self, state: SuffixState, seq) -> list[int]:
         state.draft, state.at = self.lookup(state, seq, self.max_spec_tokens), len(seq.token_ids)
         return state.draft
+
+    def drafted(self, state: SuffixState, seq) -> list[int]:
+        """The draft for seq's history now, looked up once per history length and kept on `state` (this
+        proposer's state for seq; another proposer may hold it: model_lookup)."""
+        return state.draft if state.at == len(seq.token_ids) else self._redraft(state, seq)
 
     def prepare(self, seqs) -> None:
         for seq in seqs:
@@ -135,8 +142,7 @@ class SuffixProposer(Proposer):
 
     def _draft(self, seq) -> list[int]:
         """The draft prepared for seq's history now (drafted here when this step's prepare did not)."""
-        state = seq.draft_state
-        return state.draft if state.at == len(seq.token_ids) else self.update_draft(seq)
+        return self.drafted(seq.draft_state, seq)
 
     def max_draft_tokens(self, seq) -> int:
         return len(self._draft(seq))  # 0: no confident match

@@ -7,6 +7,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
+from quickdraft.cli_args import add_sampling_filter_arguments
 from quickdraft.errors import QuickdraftError
 from quickdraft.tools.check.checking import (DEFAULT_ALPHA, DEFAULT_CHECK_SEED, DEFAULT_MAX_FORWARDS,
                                              DEFAULT_MAX_TOKENS, DEFAULT_SAMPLE_TOKENS, DEFAULT_SAMPLES,
@@ -40,12 +41,7 @@ def add_parser(sub) -> None:
                    help=f"tokens per prompt in the greedy comparison (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
                    help=f"the sampled test's temperature (default {DEFAULT_TEMPERATURE}; 0: greedy check only)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    add_sampling_filter_arguments(p)
     p.add_argument("--seed", type=int, default=None, help="also test the seeded path (requests with this seed)")
     p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
                    help=f"samples in all, split over the prompts of the sampled test (default {DEFAULT_SAMPLES})")

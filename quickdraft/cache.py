@@ -57,6 +57,30 @@ class SequenceCache:
         """Forget the keys and values of the last `count` positions."""
         self.kv.crop(-count)
 
+    def compact(self, first: int, kept: list[int]) -> None:
+        """After a token tree's verification: keep slots [0, first), move the slots `kept` (ascending, >= first:
+        the accepted path) to first, first + 1, ..., and drop every other slot. A path's keys were computed at
+        the positions they now hold (models.base.TreeAttention), so nothing is recomputed; where kept is
+        already first.. it is a plain rollback (a chain)."""
+        ids = self.token_ids
+        if not 0 <= first <= len(ids) or any(not first <= s < len(ids) for s in kept) or \
+                any(a >= b for a, b in zip(kept, kept[1:])):
+            raise ValueError(f"compact: keep [0, {first}) and ascending slots in [{first}, {len(ids)}), got {kept}")
+        moves = [(src, first + j) for j, src in enumerate(kept) if src != first + j]
+        if moves:
+            self._move_kv([src for src, _ in moves], [dst for _, dst in moves])
+            for src, dst in moves:
+                ids[dst] = ids[src]
+        self.rollback(first + len(kept))
+
+    def _move_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copy the keys and values of slots src to slots dst (every dst < its src, all below len(self))."""
+        s = torch.tensor(src)
+        d = torch.tensor(dst)
+        for layer in self.kv.layers:  # transformers' DynamicLayer: keys, values [batch, heads, length, head_dim]
+            for t in (layer.keys, layer.values):
+                t[:, :, d.to(t.device)] = t[:, :, s.to(t.device)]
+
     def sync(self, history: list[int]) -> int:
         """Roll back to the longest common prefix of the cached tokens and `history`; returns its length.
         The caller then feeds history[length:]."""

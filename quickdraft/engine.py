@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from quickdraft import adaptive, sampling, verify
-from quickdraft.drafts.base import Proposal, Proposer
+from quickdraft.drafts.base import Proposal, Proposer, TreeSettings
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.base import Runner
 from quickdraft.params import SamplingParams
@@ -36,7 +36,7 @@ class Engine:
 
     def __init__(self, target: Runner, proposer: Proposer, num_speculative_tokens: int,
                  eos_token_ids: set[int] | None = None, max_len: int | None = None, adaptive_k: bool = False,
-                 relaxed_threshold: float | None = None):
+                 relaxed_threshold: float | None = None, tree: TreeSettings | None = None):
         if num_speculative_tokens < 0:
             raise QuickdraftError("num_speculative_tokens must be >= 0 (0: plain decoding), "
                                   f"got {num_speculative_tokens}")
@@ -52,6 +52,8 @@ class Engine:
         self.max_len = min(max_len or target.max_len, target.max_len)
         # LOSSY relaxed acceptance (SpeculativeConfig acceptance="relaxed"): None, the default, is exact.
         self.relaxed_threshold = relaxed_threshold
+        # Token trees (speculative_config "tree"): None, the default, drafts chains.
+        self.tree = tree if num_speculative_tokens > 0 else None
 
     @property
     def device(self) -> torch.device:
@@ -62,7 +64,7 @@ class Engine:
         adaptive or fixed (default: as this engine)."""
         adaptive_k = self.adaptive_k if adaptive_k is None else adaptive_k
         return Engine(self.target, self.proposer, num_speculative_tokens, self.eos_token_ids, self.max_len,
-                      adaptive_k, self.relaxed_threshold)
+                      adaptive_k, self.relaxed_threshold, self.tree)
 
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams,
                      generator: torch.Generator | None = None, noise_key: int | None = None) -> Sequence:

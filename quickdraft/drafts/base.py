@@ -19,8 +19,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from quickdraft.errors import QuickdraftError
+
 if TYPE_CHECKING:
     from quickdraft.drafts import SpeculativeConfig
+    from quickdraft.token_tree import TokenTree
     from quickdraft.models.base import Runner
     from quickdraft.sequence import DraftState, Sequence
 
@@ -78,6 +81,34 @@ def spelling_argument(draft: str, name: str) -> str | None:
     return draft[len(name) + 1:] if draft.startswith(name + ":") else None
 
 
+@dataclass(frozen=True)
+class TreeSettings:
+    """speculative_config's "tree": token trees of at most max_nodes nodes and max_depth levels per sequence
+    and step ({"max_nodes": N, "max_depth": D}); auto: the engine sizes each step's tree from its measured step
+    costs and per-depth acceptance, within those bounds, down to a chain or nothing ("tree": "auto")."""
+
+    max_nodes: int = 16
+    max_depth: int = 6
+    auto: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("max_nodes", "max_depth"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise QuickdraftError(f"speculative_config['tree']['{key}'] must be an integer >= 1, got {value!r}")
+        if self.max_depth > self.max_nodes:
+            raise QuickdraftError(f"speculative_config['tree']: max_depth {self.max_depth} > max_nodes "
+                                  f"{self.max_nodes}; a tree of depth D has at least D nodes")
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    """The most nodes and levels one sequence's token tree may have this step (the engine's sizing of it)."""
+
+    max_nodes: int
+    max_depth: int
+
+
 @dataclass
 class Proposal:
     """Up to K draft tokens for one sequence.
@@ -88,11 +119,16 @@ class Proposal:
     as one-hot at each token, which is exact.
     catch_up: how many tokens of history a draft model read before drafting beyond the one or two that
     follow its previous proposal (after plain steps it re-reads what it missed: a one-off cost that adaptive
-    K must not count as the price of drafting)."""
+    K must not count as the price of drafting).
+    tree: None for a chain; else a token_tree.TokenTree whose nodes are `tokens` (node order, parents first)
+    and whose children modes say how they were chosen; probs is then [N, V_target], node i's row the draft's
+    processed distribution at its PARENT's context (what its children were drawn or ranked from), or None
+    when every child is DETERMINISTIC. Only proposers asked for trees (Proposer.propose_tree) return one."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     catch_up: int = 0
+    tree: "TokenTree | None" = None
 
     @staticmethod
     def empty(device: torch.device) -> "Proposal":
@@ -196,6 +232,15 @@ class Proposer(ABC):
         """Proposals for several sequences at once, at most ks[i] tokens for seqs[i] (0: none). Model drafts
         override this to run one batched forward per draft position."""
         return [self.propose(seq, k) if k > 0 else Proposal.empty(seq.device) for seq, k in zip(seqs, ks)]
+
+    # Whether propose_tree can return more than a chain (the engine asks for trees only where it does).
+    proposes_trees: bool = False
+
+    def propose_tree_batch(self, seqs: "list[Sequence]", budgets: "list[TreeBudget]") -> list[Proposal]:
+        """Token-tree proposals (Proposal.tree set, or a chain where the method finds one continuation) of at most
+        budgets[i].max_nodes nodes and budgets[i].max_depth levels for seqs[i] (max_nodes 0: none). The default:
+        a chain of max_depth tokens, today's proposal."""
+        return self.propose_batch(seqs, [min(b.max_nodes, b.max_depth) for b in budgets])
 
     @abstractmethod
     def propose(self, seq: "Sequence", k: int) -> Proposal:

@@ -118,6 +118,18 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
             self.values[:, :, lo:hi] = values
         self._token_ids = list(token_ids)
 
+    def compact(self, first: int, kept: list[int]) -> None:
+        del self.block_digests[first // self.BLOCK:]  # blocks from `first` on change
+        super().compact(first, kept)
+
+    def _move_kv(self, src: list[int], dst: list[int]) -> None:
+        s, d = torch.tensor(src, device=self.values.device), torch.tensor(dst, device=self.values.device)
+        self.values[:, :, d] = self.values[:, :, s]
+        if self._runner.packed_keys:  # position p at [:, :, p // 16, :, p % 16, :]
+            self.keys[:, :, d // 16, :, d % 16] = self.keys[:, :, s // 16, :, s % 16]
+        else:
+            self.keys[:, :, d] = self.keys[:, :, s]
+
     def _new_kv(self) -> None:
         return None  # keys and values live in self.keys / self.values
 

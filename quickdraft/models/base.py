@@ -9,6 +9,7 @@ blocks, whether rows are computed alike) is declared here, so that no caller pro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -21,6 +22,65 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from quickdraft.models.gguf_weights import QuantizedWeights
+
+@dataclass(frozen=True)
+class TreeAttention:
+    """How one sequence's new rows of a forward attend when they form a token tree (issue 25; token_tree.py).
+
+    The cache's slots [0, base) are a plain causal prefix (slot = position). Every slot s in [base, end) is a
+    tree node with a parent slot parents[s - base]: base - 1 (a child of the prefix's last token, the tree's
+    root) or a tree slot in [base, s). A node sees the prefix [0, base), its ancestors in the tree and itself,
+    and sits at position base + depth - 1 (depth 1 for a child of the root), so a path of the tree is computed
+    exactly as the same tokens in a line (bitwise on the native kernels). `parents` covers every tree slot up to
+    the end of this call, those already cached by earlier calls (a draft growing its tree level by level) and
+    the new ones; new rows below `base` are plain causal rows. A chain is parents = [base - 1, base, base + 1..].
+    """
+
+    base: int
+    parents: tuple[int, ...]  # [end - base] the parent slot of each tree slot
+
+    def __post_init__(self) -> None:
+        if self.base < 1:
+            raise ValueError(f"TreeAttention: base {self.base}; a tree hangs off at least one cached token")
+        for i, parent in enumerate(self.parents):
+            slot = self.base + i
+            if not (parent == self.base - 1 or self.base <= parent < slot):
+                raise ValueError(f"TreeAttention: slot {slot} has parent {parent}; a parent is {self.base - 1} (the "
+                                 f"root) or an earlier tree slot in [{self.base}, {slot})")
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.parents)
+
+    def depths(self) -> list[int]:
+        """[end - base] each tree slot's depth (1: a child of the root)."""
+        depth: list[int] = []
+        for parent in self.parents:
+            depth.append(1 if parent == self.base - 1 else depth[parent - self.base] + 1)
+        return depth
+
+    def positions(self, start: int, count: int) -> list[int]:
+        """The positions of slots start..start+count-1 (plain below base, base + depth - 1 in the tree)."""
+        depth = self.depths()
+        return [slot if slot < self.base else self.base + depth[slot - self.base] - 1
+                for slot in range(start, start + count)]
+
+    def visible(self, slot: int) -> list[int]:
+        """The slots `slot` attends to, in position order (the prefix, its ancestors, itself)."""
+        if slot < self.base:
+            return list(range(slot + 1))
+        path = []
+        while slot >= self.base:
+            path.append(slot)
+            slot = self.parents[slot - self.base]
+        return list(range(self.base)) + path[::-1]
+
+    @staticmethod
+    def of_tree(base: int, tree_parents) -> "TreeAttention":
+        """The tree of token_tree.TokenTree.parents (node i's parent node, -1: the root) with its nodes at slots
+        base.. in node order (the root, the last committed token, at base - 1)."""
+        return TreeAttention(base, tuple(base - 1 if p < 0 else base + int(p) for p in tree_parents))
+
 
 # The weight-only quantizations a runner's quantized(scheme) takes (the native runner's; see models/linear.py).
 QUANTIZATION_SCHEMES = ("int8", "q4")
@@ -68,10 +128,14 @@ class Runner(Protocol):
         """Append tokens [n] to the sequence; float32 logits of the last num_logits inputs [num_logits, V]."""
 
     def forward_batch(self, caches: list[SequenceCache], tokens: list[torch.Tensor],
-                      num_logits: list[int], return_hidden: bool = False):
+                      num_logits: list[int], return_hidden: bool = False,
+                      trees: list[TreeAttention | None] | None = None):
         """Several sequences in one step; their logits concatenated in order, [sum(num_logits), V]. With
         return_hidden, (logits, hidden): every input row's last hidden state after the final norm (the output
-        layer's input; what an EAGLE head reads), [sum(n_i), hidden], at no extra forward."""
+        layer's input; what an EAGLE head reads), [sum(n_i), hidden], at no extra forward.
+        trees: per sequence None (causal rows) or a TreeAttention whose end is len(cache) + n_i: its rows are
+        written at slots len(cache).. and attend as the tree says; the cache then holds the tree's slots until
+        the caller compacts it (SequenceCache.compact) or rolls it back."""
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids [n] -> the input embeddings the first layer reads, [n, hidden]."""

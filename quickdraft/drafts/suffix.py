@@ -19,7 +19,8 @@ from typing import Callable
 
 import torch
 
-from quickdraft.drafts.base import DraftOptions, Proposal, Proposer
+from quickdraft.drafts.base import DraftOptions, Proposal, Proposer, TreeBudget
+from quickdraft.drafts.trees import deterministic_tree_proposal
 from quickdraft.drafts.suffix_tree import (DEFAULT_MAX_CACHED_TOKENS, DEFAULT_MAX_DEPTH, DEFAULT_MAX_SPEC_FACTOR,
                                            DEFAULT_MIN_TOKEN_PROB, DEFAULT_UNSEEN_PRIOR, SuffixIndex,
                                            check_index_settings)
@@ -66,6 +67,7 @@ class SuffixProposer(Proposer):
     name = "suffix"
     options = SuffixOptions
     spelling = "suffix"
+    proposes_trees = True
 
     def __init__(self, max_depth: int = DEFAULT_MAX_DEPTH, max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS,
                  max_spec_factor: float = DEFAULT_MAX_SPEC_FACTOR, min_token_prob: float = DEFAULT_MIN_TOKEN_PROB,
@@ -116,11 +118,17 @@ class SuffixProposer(Proposer):
     def lookup(self, state: SuffixState, seq, max_tokens: int) -> list[int]:
         """Index what `seq` committed since the last call and return its draft of at most max_tokens (empty: no
         confident match). `state` is this proposer's state for seq (another proposer may hold it: eagle)."""
+        if not self._indexed(state, seq):
+            return []
+        return self.index.speculate(state.doc, max_tokens, self.max_spec_factor, self.min_token_prob, self.unseen_prior)
+
+    def _indexed(self, state: SuffixState, seq) -> bool:
+        """Index what `seq` committed since the last call; whether its doc now holds its history to draft from (a
+        request asking for no speculation, or a finished doc, drafts nothing)."""
         self._sync(state, seq)
         doc = state.doc
-        if seq.params.num_speculative_tokens == 0 or doc.active is None or len(doc.tokens) != len(seq.token_ids):
-            return []
-        return self.index.speculate(doc, max_tokens, self.max_spec_factor, self.min_token_prob, self.unseen_prior)
+        return seq.params.num_speculative_tokens != 0 and doc.active is not None and \
+            len(doc.tokens) == len(seq.token_ids)
 
     def update_draft(self, seq) -> list[int]:
         """Index the tokens seq committed since the last step and draft for its history now; the draft is kept
@@ -152,6 +160,20 @@ class SuffixProposer(Proposer):
         if not draft:
             return Proposal.empty(seq.device)
         return Proposal(torch.tensor(draft, dtype=torch.long, device=seq.device))
+
+    def propose_tree_batch(self, seqs, budgets: list[TreeBudget]) -> list[Proposal]:
+        """The suffix tree's most probable branches from each sequence's longest match (SuffixIndex.speculate_tree:
+        every continuation seen, not only the most frequent), within each budget; one branch stays a chain."""
+        out = []
+        for seq, budget in zip(seqs, budgets):
+            state = seq.draft_state
+            if budget.max_nodes <= 0 or not self._indexed(state, seq):
+                out.append(Proposal.empty(seq.device))
+                continue
+            tokens, parents = self.index.speculate_tree(state.doc, budget.max_nodes, budget.max_depth, self.max_spec_factor,
+                                                        self.min_token_prob, self.unseen_prior)
+            out.append(deterministic_tree_proposal(tokens, parents, seq.device))
+        return out
 
 
 def lookup_else_model(seqs, ks: list[int], confident_lookup: Callable[[int], list[int]],

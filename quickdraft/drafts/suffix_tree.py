@@ -34,6 +34,8 @@ that referred to it (O(its length x depth)).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import OrderedDict, deque
 
 from quickdraft.errors import QuickdraftError
@@ -389,6 +391,72 @@ class SuffixIndex:
         m, (node, offset, depth) = best
         cap = min(max_tokens, int(m * factor + 1e-9))
         return self._follow(node, offset, depth, cap, min_prob, list(pattern), prior) if cap > 0 else []
+
+    def speculate_tree(self, doc: _Doc, max_nodes: int, max_depth: int, factor: float = DEFAULT_MAX_SPEC_FACTOR,
+                       min_prob: float = DEFAULT_MIN_TOKEN_PROB,
+                       prior: float = DEFAULT_UNSEEN_PRIOR) -> tuple[list[int], list[int]]:
+        """A token tree for a running doc: from its longest match, the continuations of every occurrence, most
+        probable first (the product of the smoothed empirical probabilities along the path, as `speculate`
+        computes them), at most max_nodes nodes and min(max_depth, factor x match length) levels, each node's
+        probability >= min_prob. Returns (tokens, parents) in node order (parents[i] < i, -1: a child of the
+        doc's end), siblings most probable first; its first path is `speculate`'s draft where the budget allows.
+        ([], []): no confident match."""
+        m = self.match_length(doc)
+        cap = min(max_depth, int(m * factor + 1e-9))
+        if m == 0 or cap <= 0 or max_nodes <= 0:
+            return [], []
+        node = doc.active[len(doc.active) - m]
+        history = doc.tokens
+        tokens: list[int] = []
+        parents: list[int] = []
+        paths: list[list[int]] = []
+        heap: list = []
+        serial = itertools.count()
+        used: set[_Doc] = set()
+
+        def offer(position, parent: int, prob: float, path: list[int]) -> None:
+            """Push the tokens that may follow `path` at `position` (node, offset into its edge, depth)."""
+            node, offset, depth = position
+            while True:
+                if offset < node.edge_length():  # inside an edge: one continuation, the same probability
+                    token = node.doc.tokens[node.start + offset]
+                    heapq.heappush(heap, (-prob, next(serial), parent, token, (node, offset + 1, depth + 1), node.doc))
+                    return
+                if node.children is not None:
+                    break
+                if depth < self.max_depth:
+                    return  # every occurrence ends here
+                # The tree holds no longer contexts: re-anchor on the path's last tokens (as _follow does).
+                anchor = max(1, self.max_depth // 2)
+                tail = path[-anchor:]
+                if len(tail) < anchor:
+                    tail = history[len(history) - (anchor - len(tail)):] + tail
+                found = self._walk(tail)
+                if found is None:
+                    return
+                node, offset, depth = found
+            total = node.cont + prior / (1 << min(max(depth - 1, 0), 30))
+            best = node.best if node.best is not None else max(node.children.values(), key=_count)
+            floor = min_prob * total / prob  # a child's count below this falls under min_prob
+            # The most frequent child first, so that ties keep `speculate`'s choice.
+            for child in [best] + [c for c in node.children.values() if c is not best]:
+                if child.count >= floor:
+                    heapq.heappush(heap, (-(prob * child.count / total), next(serial), parent,
+                                          child.doc.tokens[child.start], (child, 1, depth + 1), child.doc))
+
+        offer((node, node.edge_length(), m), -1, 1.0, [])
+        while heap and len(tokens) < max_nodes:
+            neg_prob, _, parent, token, position, source = heapq.heappop(heap)
+            path = (paths[parent] if parent >= 0 else []) + [token]
+            tokens.append(token)
+            parents.append(parent)
+            paths.append(path)
+            used.add(source)
+            if len(path) < cap:
+                offer(position, len(tokens) - 1, -neg_prob, path)
+        for source in used:
+            self.touch(source)
+        return tokens, parents
 
     def _walk(self, pattern: list[int]):
         """(node, tokens of its edge matched, depth) where `pattern` ends when read from the root; None when

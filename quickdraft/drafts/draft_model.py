@@ -6,7 +6,14 @@ Each draft token is drawn from the draft's distribution processed exactly like t
 penalties with the same history, temperature, top-k/p, min-p); that processed q is what verification
 divides by. Under greedy decoding the draft takes its argmax and verification needs no q. A seeded request
 draws with the target's position noise (sampling.position_noise), which couples the draft's draw with the
-target's: they agree wherever the two distributions put their mass alike."""
+target's: they agree wherever the two distributions put their mass alike.
+
+Asked for a token tree (propose_tree_batch), it grows an EAGLE-2 tree (drafts/trees.py DynamicTree): each level is
+ONE batched draft forward over every sequence's frontier, attending as a tree (models.base.TreeAttention); the
+children of a node are its most probable tokens (DETERMINISTIC: exact at every temperature without q), ranked
+by the draft's processed distribution, or for a seeded request by the noise-coupled scores its draw would use.
+The tree's slots are no path, so the draft cache is rolled back to the committed history afterwards and the next
+step reads the accepted tokens again. A grammar-constrained sequence drafts a chain."""
 
 from __future__ import annotations
 
@@ -16,7 +23,8 @@ from typing import Any
 import torch
 
 from quickdraft import sampling
-from quickdraft.drafts.base import DraftOptions, Proposal, Proposer
+from quickdraft.drafts.base import DraftOptions, Proposal, Proposer, TreeBudget
+from quickdraft.drafts.trees import DynamicTree, deterministic_tree_proposal
 from quickdraft.drafts.vocab_mapping import IdentityMapping, IntersectionMapping, Translation, same_vocabulary
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.base import QUANTIZATION_SCHEMES
@@ -56,6 +64,10 @@ class DraftModelState(DraftState):
 
     kv_cache: Any = None  # the draft runner's SequenceCache
     translation: Translation | None = None
+    # The draft history length and depth of the token tree proposed last (None: a chain), whose accepted path
+    # the next step reads again (the cache was rolled back to the history): not a catch-up.
+    tree_at: int | None = None
+    tree_depth: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -69,6 +81,7 @@ class DraftModelProposer(Proposer):
     spelling_catches_all = True
     runs_a_model = True
     loads_draft_model = True
+    proposes_trees = True
 
     def __init__(self, runner: Runner, target_vocab_size: int,
                  mapping: IdentityMapping | IntersectionMapping | None = None):
@@ -125,28 +138,48 @@ class DraftModelProposer(Proposer):
     def propose(self, seq, k: int) -> Proposal:
         return self.propose_batch([seq], [k])[0]
 
+    def _catch_up_feed(self, seq) -> tuple[torch.Tensor, int]:
+        """What seq's draft cache lacks of its draft history (at least its last token, whose logits the first
+        draft needs), fed in the first draft forward, and how many of those tokens are catch-up: beyond what
+        the previous proposal's step adds (the bonus and maybe a chain's last draft, or a tree's accepted path
+        and its bonus)."""
+        state, history = seq.draft_state, self.draft_history(seq)
+        cache = state.kv_cache
+        start = cache.sync(history)
+        if start == len(history):  # everything is cached: recompute the last position for its logits
+            start -= 1
+            cache.rollback(start)
+        follow = 2  # a chain's step reads the bonus and maybe its last draft
+        if state.tree_at is not None:
+            follow = max(follow, min(len(history) - state.tree_at, state.tree_depth + 1))
+            state.tree_at = None
+        return torch.tensor(history[start:], dtype=torch.long, device=self.runner.device), \
+            max(0, len(history) - start - follow)
+
+    def _draft_logits(self, caches, feeds: list[torch.Tensor], num_logits: list[int], trees=None) -> torch.Tensor:
+        """One batched draft forward; its logits over the target's vocabulary."""
+        if trees is None:
+            logits = self.runner.forward_batch(caches, feeds, num_logits)
+        else:
+            logits = self.runner.forward_batch(caches, feeds, num_logits, trees=trees)
+        self.forwards += 1
+        return self.mapping.to_target_logits(logits)
+
     def propose_batch(self, seqs, ks: list[int]) -> list[Proposal]:
         """k_i tokens for each sequence, autoregressively: draft position i is ONE batched draft forward over
         every sequence still drafting (the first also reads what each draft cache lacks of its history)."""
         active = [j for j, k in enumerate(ks) if k > 0]
         feeds, catch_ups, tokens, probs = {}, {}, {}, {}
         for j in active:
-            seq, cache, history = seqs[j], seqs[j].draft_state.kv_cache, self.draft_history(seqs[j])
-            start = cache.sync(history)
-            if start == len(history):  # everything is cached: recompute the last position for its logits
-                start -= 1
-                cache.rollback(start)
-            catch_ups[j] = max(0, len(history) - start - 2)  # a step reads the bonus and maybe its last draft
-            feeds[j] = torch.tensor(history[start:], dtype=torch.long, device=self.runner.device)
+            seq = seqs[j]
+            feeds[j], catch_ups[j] = self._catch_up_feed(seq)
             tokens[j] = torch.empty(ks[j], dtype=torch.long, device=seq.device)
             probs[j] = torch.empty(ks[j], self.target_vocab_size, device=seq.device) if seq.needs_draft_probs \
                 else None
         for i in range(max(ks, default=0)):
             rows = [j for j in active if ks[j] > i]
-            logits = self.runner.forward_batch([seqs[j].draft_state.kv_cache for j in rows],
-                                               [feeds[j] for j in rows], [1] * len(rows))  # [len(rows), V_draft]
-            logits = self.mapping.to_target_logits(logits)
-            self.forwards += 1
+            logits = self._draft_logits([seqs[j].draft_state.kv_cache for j in rows], [feeds[j] for j in rows],
+                                        [1] * len(rows))  # [len(rows), V_target]
             for row, j in enumerate(rows):
                 seq = seqs[j]
                 processed = seq.process(logits[row: row + 1].to(seq.device), tokens[j][:i], first_row=i)
@@ -161,3 +194,70 @@ class DraftModelProposer(Proposer):
                 feeds[j] = self.mapping.to_draft_tokens(token.reshape(1)).to(self.runner.device)
         return [Proposal(tokens[j], probs[j], catch_ups[j]) if ks[j] > 0 else Proposal.empty(seqs[j].device)
                 for j in range(len(seqs))]
+
+    def propose_tree_batch(self, seqs, budgets: list[TreeBudget]) -> list[Proposal]:
+        """An EAGLE-2 tree for each sequence within its budget (module docstring): level 0 reads what each draft
+        cache lacks (plain rows) and gives the root's children; level d writes the depth-d frontier as tree rows
+        and gives their children; every level is one forward over all sequences. A grammar-constrained
+        sequence drafts a chain of min(max_nodes, max_depth) tokens instead."""
+        out = [Proposal.empty(seq.device) for seq in seqs]
+        # The levels the draft's context leaves (a tree of depth d feeds d - 1 levels, as a chain of d tokens).
+        depth = [min(b.max_nodes, b.max_depth, self.max_draft_tokens(seq)) if b.max_nodes > 0 else 0
+                 for seq, b in zip(seqs, budgets)]
+        chains = [j for j, seq in enumerate(seqs) if depth[j] > 0 and seq.grammar is not None]
+        grown = [j for j, seq in enumerate(seqs) if depth[j] > 0 and seq.grammar is None]
+        if chains:
+            for j, proposal in zip(chains, self.propose_batch([seqs[j] for j in chains], [depth[j] for j in chains])):
+                out[j] = proposal
+        if not grown:
+            return out
+        caches = {j: seqs[j].draft_state.kv_cache for j in grown}
+        feeds, catch_ups = {}, {}
+        for j in grown:
+            feeds[j], catch_ups[j] = self._catch_up_feed(seqs[j])
+        trees = {j: DynamicTree(len(caches[j]) + len(feeds[j]), budgets[j].max_nodes, depth[j],
+                                self.runner.max_len - len(caches[j]) - len(feeds[j])) for j in grown}
+        logits = self._draft_logits([caches[j] for j in grown], [feeds[j] for j in grown], [1] * len(grown))
+        for row, j in enumerate(grown):
+            self._add_children(seqs[j], trees[j], [-1], logits[row:row + 1])
+        for level in range(1, max(depth[j] for j in grown)):
+            rows = [j for j in grown if trees[j].next_frontier(level)]
+            if not rows:
+                break
+            frontier_tokens = [torch.tensor([trees[j].tokens[n] for n in trees[j].frontier], dtype=torch.long)
+                               for j in rows]
+            logits = self._draft_logits([caches[j] for j in rows],
+                                        [self.mapping.to_draft_tokens(t).to(self.runner.device) for t in frontier_tokens],
+                                        [len(t) for t in frontier_tokens], trees=[trees[j].attention() for j in rows])
+            offset = 0
+            for j, t in zip(rows, frontier_tokens):
+                self._add_children(seqs[j], trees[j], trees[j].frontier, logits[offset:offset + len(t)])
+                offset += len(t)
+        for j in grown:
+            tree, state = trees[j], seqs[j].draft_state
+            caches[j].rollback(tree.base)  # the committed history: the tree's slots are no path
+            tokens, parents = tree.proposal_nodes()
+            state.tree_at, state.tree_depth = tree.base, max((tree.depth[n] for n in tree.best()), default=0)
+            out[j] = deterministic_tree_proposal(tokens, parents, seqs[j].device, catch_ups[j])
+        return out
+
+    def _add_children(self, seq, tree: DynamicTree, nodes: list[int], logits: torch.Tensor) -> None:
+        """Rank the children of `nodes` (-1: the root) from the draft's logits after each [len(nodes), V_target]:
+        the draft's processed distribution (softmax of the penalised logits for a greedy request); for a seeded
+        request the softmax of the noise-coupled scores its draw at that position maximises."""
+        logits = logits.to(seq.device)
+        paths = [tree.path(n) for n in nodes]
+        if seq.penalties is None:  # rows do not depend on their paths: one call
+            processed = seq.process(logits, torch.empty(0, dtype=torch.long, device=seq.device))
+        else:
+            processed = torch.cat([seq.process(logits[i:i + 1], torch.tensor(path, dtype=torch.long, device=seq.device),
+                                               first_row=len(path)) for i, path in enumerate(paths)])
+        if seq.params.greedy:
+            probs = torch.softmax(processed.double(), -1)
+        elif seq.noise_key is not None:  # the frontier is one depth: one output position's noise
+            log_noise = seq.log_noise(len(seq.output_ids) + len(paths[0]), 1, processed.shape[-1])
+            probs = torch.softmax(sampling.scores_with_log_noise(processed, log_noise), -1)
+        else:
+            probs = processed
+        for node, row in zip(nodes, probs):
+            tree.add_children(node, row)

@@ -1,16 +1,18 @@
 """Token trees as proposers build them (issue 25; the tree itself: quickdraft/token_tree.py): a lookup's
 continuations merged into a trie that keeps the most frequent nodes within a budget, a draft model's
-candidates ranked by path probability (EAGLE-2, Li et al. 2024), and the proposal either becomes: a chain where
+candidates ranked by path probability as it grows them (DynamicTree: EAGLE-2, Li et al. 2024), and the proposal either becomes: a chain where
 only one continuation is left (verified as today), else a tree of DETERMINISTIC children (a function of the
 context, so q is one-hot and verification stays exact at every temperature)."""
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
 from quickdraft.drafts.base import Proposal
+from quickdraft.models.base import TreeAttention
 from quickdraft.token_tree import ChildSelection, TokenTree
 
 
@@ -67,3 +69,94 @@ def _ordered(kept: Sequence[tuple[int, ...]], sibling_key) -> tuple[list[int], l
     ordered = number_nodes(kept, lambda p: p[:-1] if len(p) > 1 else None, len, sibling_key)
     index = {path: i for i, path in enumerate(ordered)}
     return [path[-1] for path in ordered], [index[path[:-1]] if len(path) > 1 else -1 for path in ordered]
+
+
+# A draft model's dynamic tree (EAGLE-2): each expanded node offers its TREE_TOP_K most probable tokens as
+# children, and each level expands at most TREE_WIDTH nodes (one row each of that level's batched draft forward).
+TREE_TOP_K = 8
+TREE_WIDTH = 4
+
+
+class DynamicTree:
+    """One sequence's EAGLE-2 tree as a draft model grows it level by level (Li et al. 2024): candidate nodes
+    scored by the product of the draft's probabilities along their path; each level expands the most probable
+    nodes of the deepest level that can still be among the max_nodes best (a node's descendants never score
+    above it, so one outside them has none inside); the proposal is the max_nodes best candidates, a tree
+    closed under parents. The expanded nodes sit in the draft's cache at slots base, base + 1, ... (the root,
+    the last committed token, at base - 1) in expansion order: `attention` is the TreeAttention of a forward
+    that writes the current frontier. Host-side bookkeeping only; the caller runs the forwards.
+
+    capacity: the tree slots the draft's cache can hold (no more nodes are expanded)."""
+
+    def __init__(self, base: int, max_nodes: int, max_depth: int, capacity: int,
+                 top_k: int = TREE_TOP_K, width: int = TREE_WIDTH):
+        self.base, self.max_nodes, self.max_depth, self.capacity = base, max_nodes, max_depth, capacity
+        self.top_k = max(1, min(top_k, max_nodes))
+        # A budget of a chain (max_nodes == max_depth) expands one node a level: a wider level could not be kept.
+        self.width = max(1, min(width, max_nodes - max_depth + 1))
+        self.tokens: list[int] = []
+        self.parents: list[int] = []  # the parent node, -1: the root
+        self.depth: list[int] = []
+        self.logp: list[float] = []  # log of the path's probability
+        self.slot: dict[int, int] = {}  # expanded node -> its tree slot (0: base)
+        self.slot_parents: list[int] = []  # per tree slot, its parent's cache slot (TreeAttention.parents)
+        self.frontier: list[int] = []  # the nodes the next forward writes
+
+    def _key(self, node: int) -> tuple[float, int, int]:
+        return -self.logp[node], self.depth[node], node  # a parent before a child of equal probability
+
+    def best(self) -> list[int]:
+        """The max_nodes best candidates (closed under parents)."""
+        return sorted(range(len(self.tokens)), key=self._key)[:self.max_nodes]
+
+    def add_children(self, node: int, probs: torch.Tensor) -> None:
+        """The top_k tokens of `probs` [V] (the draft's probabilities after `node`'s path; -1: the root) that have
+        any probability, as candidate children of node."""
+        if node >= 0 and self.depth[node] >= self.max_depth:
+            return
+        values, ids = torch.topk(probs.double(), min(self.top_k, probs.shape[-1]))
+        base_logp = self.logp[node] if node >= 0 else 0.0
+        depth = self.depth[node] + 1 if node >= 0 else 1
+        for value, token in zip(values.tolist(), ids.tolist()):
+            if value <= 0.0:
+                break
+            self.tokens.append(int(token))
+            self.parents.append(node)
+            self.depth.append(depth)
+            self.logp.append(base_logp + math.log(value))
+
+    def next_frontier(self, depth: int) -> list[int]:
+        """The nodes of `depth` to expand next (at most width, the most probable of those still among the best,
+        within the cache's capacity), given tree slots now; [] when none is worth a forward."""
+        if depth >= self.max_depth:
+            self.frontier = []
+            return self.frontier
+        best = self.best()
+        room = self.capacity - len(self.slot_parents)
+        self.frontier = [n for n in best if self.depth[n] == depth][:max(0, min(self.width, room))]
+        for node in self.frontier:
+            self.slot[node] = len(self.slot_parents)
+            parent = self.parents[node]
+            self.slot_parents.append(self.base - 1 if parent < 0 else self.base + self.slot[parent])
+        return self.frontier
+
+    def path(self, node: int) -> list[int]:
+        """The tokens from the root's child down to node."""
+        out = []
+        while node >= 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
+
+    def attention(self) -> TreeAttention:
+        """How the forward that writes the frontier attends: every tree slot so far, parents by slot."""
+        return TreeAttention(self.base, tuple(self.slot_parents))
+
+    def proposal_nodes(self) -> tuple[list[int], list[int]]:
+        """(tokens, parents) of the max_nodes best candidates in node order, siblings most probable first."""
+        kept = self.best()
+        ordered = number_nodes(kept, lambda n: None if self.parents[n] < 0 else self.parents[n],
+                               lambda n: self.depth[n], self._key)
+        index = {node: i for i, node in enumerate(ordered)}
+        return [self.tokens[n] for n in ordered], [index[self.parents[n]] if self.parents[n] >= 0 else -1
+                                                   for n in ordered]

@@ -1,0 +1,297 @@
+"""Token-tree proposals (issue 25): drafts/trees.py's trie and EAGLE-2 bookkeeping, ngram's and suffix's trees
+of earlier continuations, and the draft model's level-by-level tree on a stub runner that records the
+TreeAttention each level passes and returns logits the test controls (its parents, levels, budget, rollback
+and catch-up; end-to-end verification is the engine's tests)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from quickdraft.cache import SequenceCache
+from quickdraft.drafts.base import TreeBudget
+from quickdraft.drafts.draft_model import DraftModelProposer
+from quickdraft.drafts.ngram import NgramProposer
+from quickdraft.drafts.suffix import SuffixProposer
+from quickdraft.drafts.suffix_tree import SuffixIndex
+from quickdraft.drafts.trees import DynamicTree, deterministic_tree_proposal, frequency_trie
+from quickdraft.models.base import TreeAttention
+from quickdraft.params import SamplingParams
+from quickdraft.sequence import Sequence
+from quickdraft.token_tree import ChildSelection
+
+CPU = torch.device("cpu")
+V = 8
+
+
+def _sequence(prompt, params=None, noise_key=None, vocab=V) -> Sequence:
+    return Sequence(list(prompt), params or SamplingParams(temperature=0), None, CPU, vocab, noise_key)
+
+
+# --- drafts/trees.py ----------------------------------------------------------------------------------------
+def test_chain_or_tree_proposal():
+    assert deterministic_tree_proposal([], [], CPU).tokens.numel() == 0
+    chain = deterministic_tree_proposal([4, 5, 6], [-1, 0, 1], CPU, catch_up=2)
+    assert chain.tree is None and chain.tokens.tolist() == [4, 5, 6] and chain.catch_up == 2
+    tree = deterministic_tree_proposal([4, 5, 6], [-1, -1, 0], CPU)
+    assert tree.tree is not None and tree.probs is None and not tree.tree.needs_draft_probs
+    assert tree.tree.parents.tolist() == [-1, -1, 0] and tree.tokens.tolist() == [4, 5, 6]
+    assert set(tree.tree.selection.tolist()) == {int(ChildSelection.DETERMINISTIC)}
+
+
+def test_frequency_trie_keeps_the_most_frequent_nodes_siblings_by_frequency():
+    continuations = [[1, 2, 3], [1, 2, 4], [5, 6], [1, 7]]  # most recent first
+    assert frequency_trie(continuations, 16, 6) == ([1, 5, 2, 7, 6, 3, 4], [-1, -1, 0, 0, 1, 2, 2])
+    # Three nodes: 1 (3 continuations), 1 2 (2), then the shallower of the ones seen once, most recent first.
+    assert frequency_trie(continuations, 3, 6) == ([1, 5, 2], [-1, -1, 0])
+    assert frequency_trie(continuations, 16, 1) == ([1, 5], [-1, -1])
+    # A tie between siblings goes to the most recent continuation.
+    assert frequency_trie([[3, 9], [4, 5]], 4, 2) == ([3, 4, 9, 5], [-1, -1, 0, 1])
+    assert frequency_trie([[1, 2, 3], [1, 2, 3]], 8, 2) == ([1, 2], [-1, 0])  # one continuation: a line
+
+
+def test_dynamic_tree_expands_the_best_of_each_level_and_keeps_the_best_nodes():
+    tree = DynamicTree(base=3, max_nodes=4, max_depth=3, capacity=10)
+    assert tree.width == 2  # 4 - 3 + 1
+    tree.add_children(-1, torch.tensor([0.0, 0.5, 0.3, 0.2]))
+    assert tree.tokens == [1, 2, 3] and tree.depth == [1, 1, 1]
+    assert tree.next_frontier(1) == [0, 1]  # the two most probable of depth 1
+    assert tree.attention() == TreeAttention(3, (2, 2))
+    tree.add_children(0, torch.tensor([0.9, 0.1, 0.0, 0.0]))  # 1 -> 0 (0.45), 1 -> 1 (0.05)
+    tree.add_children(1, torch.tensor([0.0, 0.0, 0.0, 1.0]))  # 2 -> 3 (0.3)
+    # Best 4: 1 (.5), 1 0 (.45), 2 (.3), 2 3 (.3: after its parent on a tie); 3 (.2) is out.
+    assert tree.next_frontier(2) == [3, 5]
+    assert tree.attention() == TreeAttention(3, (2, 2, 3, 4))
+    assert tree.proposal_nodes() == ([1, 2, 0, 3], [-1, -1, 0, 1])
+    assert tree.next_frontier(3) == []  # the depth budget
+    assert tree.path(5) == [2, 3]
+
+
+def test_dynamic_tree_respects_the_cache_capacity():
+    tree = DynamicTree(base=5, max_nodes=8, max_depth=4, capacity=1)
+    tree.add_children(-1, torch.tensor([0.6, 0.4]))
+    assert len(tree.next_frontier(1)) == 1  # width 4, but one slot left
+    tree.add_children(0, torch.tensor([0.5, 0.5]))
+    assert tree.next_frontier(2) == []
+
+
+# --- ngram -------------------------------------------------------------------------------------------------
+def test_ngram_tree_merges_the_continuations_of_earlier_occurrences():
+    # "1 2" occurred at 0, 3 and 7, followed by 3 1 2, 4 5 1 and 3 9 1.
+    seq = _sequence([1, 2, 3, 1, 2, 4, 5, 1, 2, 3, 9, 1, 2])
+    proposer = NgramProposer()
+    assert proposer.proposes_trees
+    (proposal,) = proposer.propose_tree_batch([seq], [TreeBudget(8, 3)])
+    assert proposal.probs is None
+    assert proposal.tokens.tolist() == [3, 4, 9, 1, 5, 1, 2, 1]
+    assert proposal.tree.parents.tolist() == [-1, -1, 0, 0, 1, 2, 3, 4]
+    (small,) = proposer.propose_tree_batch([seq], [TreeBudget(2, 2)])
+    assert small.tokens.tolist() == [3, 4] and small.tree.parents.tolist() == [-1, -1]
+    # One earlier occurrence: the chain propose gives.
+    once = _sequence([7, 8, 9, 5, 7, 8])
+    (chain,) = proposer.propose_tree_batch([once], [TreeBudget(8, 3)])
+    assert chain.tree is None and chain.tokens.tolist() == proposer.propose(once, 3).tokens.tolist() == [9, 5, 7]
+    none, empty = proposer.propose_tree_batch([_sequence([1, 2, 3]), seq], [TreeBudget(8, 3), TreeBudget(0, 0)])
+    assert none.tokens.numel() == 0 and empty.tokens.numel() == 0
+
+
+# --- suffix ------------------------------------------------------------------------------------------------
+def test_suffix_index_tree_follows_every_continuation_most_probable_first():
+    index = SuffixIndex(max_depth=8, max_tokens=1000)
+    doc = index.new_doc([1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2])
+    # One continuation of the longest match (1 2 3 1 2 -> 4 ...): the tree is speculate's chain.
+    assert index.speculate_tree(doc, 16, 8) == (index.speculate(doc, 8), [-1, 0, 1, 2, 3])
+    index.extend(doc, [3])  # 1 2 3 (m = 3) -> 1 2, then 3 (most recent) or 4
+    tokens, parents = index.speculate_tree(doc, 16, 8)
+    assert (tokens, parents) == ([1, 2, 3, 4], [-1, 0, 1, 1])
+    assert tokens[:3] == index.speculate(doc, 8)  # the first path is the chain's draft
+    assert index.speculate_tree(doc, 3, 8) == ([1, 2, 3], [-1, 0, 1])  # the budget cuts the less probable 4
+    assert index.speculate_tree(doc, 16, 2) == ([1, 2], [-1, 0])  # and the depth budget
+    assert index.speculate_tree(doc, 16, 8, min_prob=0.5) == ([], [])  # 2 / (2 + 10/4) < 0.5
+    index.check()
+
+
+def test_suffix_tree_reanchors_past_the_tree_depth():
+    index = SuffixIndex(max_depth=4, max_tokens=1000)
+    doc = index.new_doc([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3])
+    chain = index.speculate(doc, 6, factor=2.0)
+    tokens, parents = index.speculate_tree(doc, 6, 6, factor=2.0)
+    assert len(chain) == 6 and tokens == chain and parents == [-1, 0, 1, 2, 3, 4]
+
+
+def test_suffix_proposer_tree():
+    proposer = SuffixProposer()
+    assert proposer.proposes_trees
+    seq = _sequence([1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2, 3], SamplingParams(temperature=0))
+    seq.draft_state = proposer.new_state(seq)
+    (proposal,) = proposer.propose_tree_batch([seq], [TreeBudget(16, 8)])
+    assert proposal.tokens.tolist() == [1, 2, 3, 4] and proposal.tree.parents.tolist() == [-1, 0, 1, 1]
+    assert proposal.probs is None
+    (chain,) = proposer.propose_tree_batch([seq], [TreeBudget(3, 3)])
+    assert chain.tree is None and chain.tokens.tolist() == [1, 2, 3]
+    (nothing,) = proposer.propose_tree_batch([seq], [TreeBudget(0, 0)])
+    assert nothing.tokens.numel() == 0
+
+
+# --- draft model on a stub runner --------------------------------------------------------------------------
+# The stub draft's law: after token t, t + 1 (0.6), t + 2 (0.3) or t + 3 (0.1) mod V, nothing else.
+LAW = {1: 0.6, 2: 0.3, 3: 0.1}
+
+
+def _law_logits(token: int) -> torch.Tensor:
+    row = torch.full((V,), float("-inf"))
+    for step, p in LAW.items():
+        row[(token + step) % V] = math.log(p)
+    return row
+
+
+class _StubCache(SequenceCache):
+    def _drop_kv(self, count: int) -> None:  # no keys or values: only token ids
+        pass
+
+
+class _StubRunner:
+    """Records each forward_batch (cache lengths, tokens, num_logits, trees); a row's logits follow LAW after
+    the last token it attends to (for a tree slot: itself; TreeAttention.visible is checked to end there)."""
+
+    vocab_size = V
+    max_len = 64
+    device = CPU
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def new_cache(self) -> SequenceCache:
+        return _StubCache()
+
+    def forward_batch(self, caches, tokens, num_logits, return_hidden=False, trees=None):
+        self.calls.append(([len(c) for c in caches], [t.tolist() for t in tokens], list(num_logits), trees))
+        rows = []
+        for index, (cache, feed, count) in enumerate(zip(caches, tokens, num_logits)):
+            first = len(cache)
+            cache.record(feed)
+            ids = cache.token_ids
+            tree = trees[index] if trees is not None else None
+            if tree is not None:
+                assert tree.end == len(ids), "a tree's parents cover every slot up to the end of the call"
+            for slot in range(first + len(feed) - count, first + len(feed)):
+                visible = tree.visible(slot) if tree is not None else list(range(slot + 1))
+                assert visible[-1] == slot
+                rows.append(_law_logits(ids[visible[-1]]))
+        return torch.stack(rows)
+
+
+def _draft_proposer():
+    runner = _StubRunner()
+    return DraftModelProposer(runner, V), runner
+
+
+def test_draft_model_tree_levels_attention_budget_and_rollback():
+    proposer, runner = _draft_proposer()
+    assert proposer.proposes_trees
+    seq = _sequence([1, 2, 3])
+    seq.draft_state = proposer.new_state(seq)
+    (proposal,) = proposer.propose_tree_batch([seq], [TreeBudget(6, 3)])
+    # Level 0 reads the history (plain rows); level 1 writes 4 5 6 under the root (slot 2); level 2 the depth-2
+    # nodes still among the 6 best: 3 -> 4 -> 5 (.36), 4 -> 6 (.18) and 5 -> 6 (.18).
+    assert runner.calls == [
+        ([0], [[1, 2, 3]], [1], None),
+        ([3], [[4, 5, 6]], [3], [TreeAttention(3, (2, 2, 2))]),
+        ([6], [[5, 6, 6]], [3], [TreeAttention(3, (2, 2, 2, 3, 3, 4))]),
+    ]
+    assert proposer.forwards == 3
+    # The 6 most probable paths: 4 (.6), 4 5 (.36), 5 (.3), 4 5 6 (.216), 4 6 (.18), 5 6 (.18); 6 (.1) is out.
+    assert proposal.tokens.tolist() == [4, 5, 5, 6, 6, 6]
+    assert proposal.tree.parents.tolist() == [-1, -1, 0, 0, 1, 2]
+    assert proposal.probs is None and not proposal.tree.needs_draft_probs
+    assert proposal.catch_up == 1  # the prompt, as a chain counts it: what a step adds is 2 tokens
+    assert len(seq.draft_state.kv_cache) == 3  # rolled back to the committed history
+    # The step accepts 4 5 and adds 6: the next proposal reads them again, which is not a catch-up.
+    seq.commit([4, 5], 6, 6, set(), 64)
+    runner.calls.clear()
+    (second,) = proposer.propose_tree_batch([seq], [TreeBudget(6, 3)])
+    assert runner.calls[0][:3] == ([3], [[4, 5, 6]], [1])
+    assert second.catch_up == 0 and second.tokens.tolist()[:2] == [7, 0]
+    # A chain after that tree reads what the tree's step committed without a catch-up either.
+    seq.commit([7], 6, 0, set(), 64)
+    (chain,) = proposer.propose_batch([seq], [2])
+    assert chain.catch_up == 0 and chain.tokens.tolist() == [1, 2]
+
+
+def test_draft_model_tree_batches_every_sequence_per_level():
+    proposer, runner = _draft_proposer()
+    seqs = [_sequence([1, 2, 3]), _sequence([5]), _sequence([2, 2])]
+    for seq in seqs:
+        seq.draft_state = proposer.new_state(seq)
+    budgets = [TreeBudget(6, 3), TreeBudget(3, 1), TreeBudget(0, 0)]
+    first, shallow, none = proposer.propose_tree_batch(seqs, budgets)
+    assert [call[0] for call in runner.calls] == [[0, 0], [3], [6]]  # the depth-1 budget drafts in level 0 only
+    assert runner.calls[0][1] == [[1, 2, 3], [5]]
+    assert first.tokens.tolist() == [4, 5, 5, 6, 6, 6]
+    assert shallow.tokens.tolist() == [6, 7, 0] and shallow.tree.parents.tolist() == [-1, -1, -1]
+    assert none.tokens.numel() == 0
+    assert [len(seq.draft_state.kv_cache) for seq in seqs] == [3, 1, 0]
+
+
+def test_draft_model_tree_of_a_chain_budget_reranks_siblings():
+    proposer, runner = _draft_proposer()
+    seq = _sequence([3])
+    seq.draft_state = proposer.new_state(seq)
+    (proposal,) = proposer.propose_tree_batch([seq], [TreeBudget(3, 3)])
+    # One node expanded a level; the best 3 are 4 (.6), 4 5 (.36), 5 (.3): 4 5 6 (.216) loses to the sibling.
+    assert [call[3] for call in runner.calls] == [None, [TreeAttention(1, (0,))], [TreeAttention(1, (0, 1))]]
+    assert proposal.tokens.tolist() == [4, 5, 5] and proposal.tree.parents.tolist() == [-1, -1, 0]
+
+
+def test_draft_model_tree_seeded_ranks_by_the_coupled_draw_and_sampled_needs_no_q():
+    proposer, runner = _draft_proposer()
+    for noise_key in range(4):
+        params = SamplingParams(temperature=1.0, seed=noise_key)
+        chain_seq, tree_seq = _sequence([1, 2, 3], params, noise_key), _sequence([1, 2, 3], params, noise_key)
+        for seq in (chain_seq, tree_seq):
+            seq.draft_state = proposer.new_state(seq)
+        chain = proposer.propose_batch([chain_seq], [1])[0]
+        (tree,) = proposer.propose_tree_batch([tree_seq], [TreeBudget(4, 2)])
+        assert tree.tokens[0] == chain.tokens[0]  # the first root child is the seeded draw's draft
+        assert tree.probs is None
+    sampled = _sequence([1, 2, 3], SamplingParams(temperature=1.0))
+    sampled.draft_state = proposer.new_state(sampled)
+    (proposal,) = proposer.propose_tree_batch([sampled], [TreeBudget(4, 2)])
+    assert proposal.probs is None and proposal.tokens.tolist()[:2] == [4, 5]  # by probability, not drawn
+
+
+class _AllowAll:
+    """A grammar that allows every token (the draft must still draft a chain for it)."""
+
+    def blocked(self, tokens):
+        return None
+
+
+def test_draft_model_tree_grammar_drafts_a_chain_and_context_limits():
+    proposer, runner = _draft_proposer()
+    seq = _sequence([1, 2, 3])
+    seq.grammar = _AllowAll()
+    seq.draft_state = proposer.new_state(seq)
+    (proposal,) = proposer.propose_tree_batch([seq], [TreeBudget(6, 3)])
+    assert proposal.tree is None and proposal.tokens.tolist() == [4, 5, 6]
+    assert all(call[3] is None for call in runner.calls)
+    # Near the draft's context end the tree keeps to the slots left (max_len 64: one slot after 63 tokens).
+    long = _sequence([1] * 63)
+    long.draft_state = proposer.new_state(long)
+    runner.calls.clear()
+    (near_end,) = proposer.propose_tree_batch([long], [TreeBudget(6, 3)])
+    assert [len(call[1][0]) for call in runner.calls] == [63, 1]  # one tree slot fed
+    assert near_end.tree.max_depth == 2 and len(long.draft_state.kv_cache) == 63
+
+
+@pytest.mark.parametrize("budget", [TreeBudget(1, 1), TreeBudget(5, 2), TreeBudget(16, 6)])
+def test_draft_model_tree_stays_within_its_budget(budget):
+    proposer, _ = _draft_proposer()
+    seq = _sequence([1, 2, 3, 4])
+    seq.draft_state = proposer.new_state(seq)
+    (proposal,) = proposer.propose_tree_batch([seq], [budget])
+    nodes = proposal.tokens.numel()
+    tree_depth = proposal.tree.max_depth if proposal.tree is not None else nodes
+    assert 1 <= nodes <= budget.max_nodes and tree_depth <= budget.max_depth

@@ -86,7 +86,7 @@ class ModelLookupProposer(Proposer):
         if lookup is not None:
             lookup.at = -1  # a rerun looks up afresh
         return ModelLookupState(model.kv_cache, model.translation,
-                                lookup if lookup is not None else self.lookup.new_state(seq))
+                                lookup=lookup if lookup is not None else self.lookup.new_state(seq))
 
     def release(self, seq, preempted: bool = False) -> None:
         state = seq.draft_state

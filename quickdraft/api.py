@@ -167,7 +167,8 @@ class LLM:
         eos = self._eos_token_ids(target_model)
         self.engine = Engine(self.target, self.proposer, self.speculative_config.effective_k, eos, max_model_len,
                              adaptive_k=self.speculative_config.adaptive,
-                             relaxed_threshold=self.speculative_config.relaxed_threshold)
+                             relaxed_threshold=self.speculative_config.relaxed_threshold,
+                             tree=self.speculative_config.tree)
         # An LLM seed makes every request reproducible: a request without a seed of its own gets a noise key
         # from this generator, so its draws are position-keyed and do not depend on how many random numbers
         # speculation consumed (adaptive K changes that from run to run).
@@ -197,7 +198,8 @@ class LLM:
         other.engine = Engine(self.target, other.proposer, other.speculative_config.effective_k,
                               self.engine.eos_token_ids, self.engine.max_len,
                               adaptive_k=other.speculative_config.adaptive,
-                              relaxed_threshold=other.speculative_config.relaxed_threshold)
+                              relaxed_threshold=other.speculative_config.relaxed_threshold,
+                              tree=other.speculative_config.tree)
         # Its own seed stream, started from this LLM's seed: the derived LLM draws as LLM(seed=...) with this
         # config would, and this one's stream is not advanced (LLM(seed=1).generate(p) gives the same text
         # before and after a with_speculative_config call; bench, check and tune make such calls).

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from quickdraft.cli_args import add_sampling_filter_arguments
+from quickdraft.cli_args import add_sampling_filter_arguments, add_tree_argument, with_tree_argument
 from quickdraft.errors import QuickdraftError
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ def add_draft_argument(p, default: str = "ngram") -> None:
 
 def speculative_spec(args: argparse.Namespace) -> dict[str, Any]:
     """The speculative_config the command line asks for: --speculative-config, else --draft, --k and --fixed-k;
-    checked before any model loads."""
+    --tree on top of either; checked before any model loads."""
     from quickdraft.drafts import SpeculativeConfig, parse_draft, read_config
 
     if getattr(args, "speculative_config", None):
@@ -44,6 +44,7 @@ def speculative_spec(args: argparse.Namespace) -> dict[str, Any]:
         spec = parse_draft(args.draft, args.k)
         if args.fixed_k and spec["method"] != "none":
             spec["adaptive"] = False
+    spec = with_tree_argument(spec, args.tree)
     SpeculativeConfig.from_dict(dict(spec))  # its errors now, not after loading the model
     return spec
 
@@ -70,6 +71,7 @@ def add_generate_parser(sub) -> None:
                    help="auto: quickdraft's native decoder where the architecture has one, else transformers")
     p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
     add_speculative_config_argument(p)
+    add_tree_argument(p)
     p.add_argument("--compare", action="store_true",
                    help="also decode without speculation (same model, same parameters): both modes warmed up, "
                         "then --compare-rounds interleaved rounds; prints the median speedup, its spread, and "
@@ -85,6 +87,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--k", type=int, default=5, help="largest speculative tokens per step (default 5)")
     p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
     add_speculative_config_argument(p)
+    add_tree_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
@@ -129,6 +132,7 @@ def add_batch_parser(sub) -> None:
     p.add_argument("--k", type=int, default=5, help="largest speculative tokens per step (default 5)")
     p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
     add_speculative_config_argument(p)
+    add_tree_argument(p)
     p.add_argument("--max-tokens", type=int, default=256, help="for records that set no max_tokens (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="for records that set none (default 0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="for records that set none")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from quickdraft.bench.names import DEFAULT_METHODS, method_help
+from quickdraft.cli_args import add_tree_argument
 
 
 def add_bench_parser(sub) -> None:
@@ -34,6 +35,7 @@ def add_bench_parser(sub) -> None:
                    help="a comma list (e.g. 1,4,16,64): instead of prompt-by-prompt runs, generate for all the "
                         "prompts' first turns at once with at most B sequences running, for each B (quickdraft "
                         "methods, and hf as padded batches)")
+    add_tree_argument(p)
     p.set_defaults(func=run_from_args)
 
 
@@ -45,6 +47,6 @@ def run_from_args(args: argparse.Namespace) -> int:
                       max_new_tokens=args.max_new_tokens, limit_per_category=args.limit_per_category,
                       categories=args.categories, temperature=args.temperature, out=args.out, plots=args.plots,
                       dtype=args.dtype, device=args.device, threads=args.threads, seed=args.seed,
-                      adaptive=not args.fixed_k, runner=args.runner, batch_sizes=args.batch_sizes)
+                      adaptive=not args.fixed_k, runner=args.runner, batch_sizes=args.batch_sizes, tree=args.tree)
     run_bench(cfg)
     return 0

@@ -298,22 +298,28 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: st
             "family (quickdraft's own draft_model method takes one with another tokenizer)")
 
 
+def _with_tree(config: dict, tree: str | dict | None) -> dict:
+    """A method's speculative_config with the bench's tree setting where its proposer proposes trees."""
+    return {**config, "tree": tree} if tree is not None and method_class(config["method"]).proposes_trees else config
+
+
 def _label(spec: MethodSpec, k: int, sweep: bool) -> str:
     return f"{spec.name} k={k}" if spec.speculative and sweep else spec.name
 
 
 def build_runners(specs: Sequence[MethodSpec], ks: Sequence[int], target: Target, reference_llm,
-                  adaptive: bool = True) -> list[Runner]:
+                  adaptive: bool = True, tree: str | dict | None = None) -> list[Runner]:
     """One runner per method and K (baselines once); quickdraft methods share one LLM per method, all on the
     reference LLM's target runner. A K sweep runs each K fixed; a single K is the largest K of adaptive
-    decoding unless adaptive is False."""
+    decoding unless adaptive is False. tree: speculative_config's "tree" for the quickdraft methods that
+    propose trees (the others, and the reference, decode as without it)."""
     sweep = len(ks) > 1
     runners: list[Runner] = []
     for spec in specs:
         values = list(ks) if spec.speculative else [None]
         if spec.is_quickdraft:
             llm = reference_llm if spec.name == "none" else \
-                reference_llm.with_speculative_config(parse_draft(spec.arg, ks[0]))
+                reference_llm.with_speculative_config(_with_tree(parse_draft(spec.arg, ks[0]), tree))
             runners += [QuickdraftRunner(spec, k, _label(spec, k, sweep), llm, adaptive and not sweep) for k in values]
         elif spec.kind.startswith("hf"):
             assistant = None

@@ -18,6 +18,8 @@ from quickdraft.bench import dataset, greedy, methods
 from quickdraft.bench.names import DEFAULT_METHODS
 from quickdraft.bench.costs import measure_read_bandwidth, measure_target_forward, runner_costs
 from quickdraft.bench.report import PromptResult, Turn, build_report, render, write_json, write_plots
+from quickdraft.cli_args import tree_setting
+from quickdraft.drafts.base import TreeSettings
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import loader
 
@@ -47,6 +49,7 @@ class BenchConfig:
     cost_context: int = 200  # cache length at which the target forward is timed
     cost_repeats: int = 7
     batch_sizes: str | None = None  # a comma list: run the batch sweep (bench/batch.py) instead
+    tree: str | None = None  # --tree N,D | auto: token trees for the methods that propose them
 
 
 def _split(text: str | None) -> list[str] | None:
@@ -54,6 +57,7 @@ def _split(text: str | None) -> list[str] | None:
 
 
 def _validate(cfg: BenchConfig):
+    TreeSettings.from_config(tree_setting(cfg.tree))  # a malformed --tree before anything loads
     records = dataset.select(dataset.load_records(cfg.dataset), _split(cfg.categories), cfg.limit_per_category)
     specs = methods.parse_methods(cfg.methods)
     ks = methods.parse_k_list(cfg.k)
@@ -130,7 +134,7 @@ def run_bench(cfg: BenchConfig, *, model=None, tokenizer=None, console=None, pro
     status.print(f"loading {cfg.model if model is None else type(model).__name__} ...")
     target, reference = _load_target(cfg, model, tokenizer)
     prompts = dataset.PromptFormat(reference)
-    runners = methods.build_runners(specs, ks, target, reference, cfg.adaptive)
+    runners = methods.build_runners(specs, ks, target, reference, cfg.adaptive, tree_setting(cfg.tree))
     if not prompts.chat:
         status.print(f"[yellow]{target.name} has no chat template: the prompts are the raw turn text[/yellow]")
 

@@ -14,7 +14,7 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from quickdraft.drafts.base import DraftContext, DraftOptions, LoadedDraft, Proposal, Proposer
+from quickdraft.drafts.base import DraftContext, DraftOptions, LoadedDraft, Proposal, Proposer, TreeSettings
 from quickdraft.drafts.draft_model import DraftModelProposer
 from quickdraft.drafts.eagle import EagleProposer
 from quickdraft.drafts.layer_skip import LayerSkipProposer
@@ -87,6 +87,11 @@ class SpeculativeConfig:
         the target's top probability). The output then no longer follows the target's law; every output's
         metrics say `lossy`. threshold in (0, 1]: the lower, the more drafts pass and the further the output
         strays from the target's (`quickdraft check` measures how far).
+    tree: token trees instead of chains (issue 25): {"max_nodes": N, "max_depth": D}, at most N draft nodes
+        and D levels per sequence and step, verified in one target forward (exact: every built-in tree's
+        children are DETERMINISTIC, q one-hot); "auto": the engine sizes each step's tree, down to a chain;
+        None (the default): chains. Read back as a drafts.base.TreeSettings; only methods whose proposer
+        proposes trees take it (tree_methods()).
     The methods' own keys (their defaults and meaning in their options' docstrings): num_layers (layer_skip),
     quantization (draft_model, layer_skip, quantized, model_lookup: int8 or q4), prompt_lookup_min /
     prompt_lookup_max (ngram), suffix_decoding_max_tree_depth / _max_cached_tokens / _max_spec_factor /
@@ -101,10 +106,11 @@ class SpeculativeConfig:
     adaptive: bool = True
     acceptance: str = "exact"
     threshold: float | None = None
+    tree: TreeSettings | None = None
 
     def __init__(self, method: str | None = None, num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
                  model: Any = None, tokenizer: Any = None, adaptive: bool = True, acceptance: str = "exact",
-                 threshold: float | None = None, **options: Any):
+                 threshold: float | None = None, tree: Any = None, **options: Any):
         self.method = method if method is not None else ("draft_model" if model else "none")
         self.num_speculative_tokens, self.model, self.tokenizer = num_speculative_tokens, model, tokenizer
         self.adaptive, self.acceptance, self.threshold = adaptive, acceptance, threshold
@@ -112,6 +118,10 @@ class SpeculativeConfig:
         k = num_speculative_tokens
         if cls.speculates and not (isinstance(k, int) and k >= 1):
             raise QuickdraftError(f"num_speculative_tokens (K) must be an integer >= 1, got {k!r}")
+        self.tree = TreeSettings.from_config(tree)
+        if self.tree is not None and not cls.proposes_trees:
+            raise QuickdraftError(f"method {self.method!r} proposes no token trees; drop speculative_config['tree'] "
+                                  f"or choose one that does: {', '.join(tree_methods())}")
         self.options = cls.options(**self._own_options(cls, options))
         self.options.check(self)
         if acceptance not in ACCEPTANCES:
@@ -180,7 +190,7 @@ class SpeculativeConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name != "method" and value != (None if f.default is MISSING else f.default):
-                out[f.name] = value
+                out[f.name] = value.to_config() if isinstance(value, TreeSettings) else value
         out.update(self.options.settings())
         return out
 
@@ -189,7 +199,7 @@ class SpeculativeConfig:
         speculative_config=FILE reads back); a model object or tokenizer cannot be written."""
         out = self.settings()
         for key, value in out.items():
-            if not isinstance(value, (str, int, float, bool)):
+            if key != "tree" and not isinstance(value, (str, int, float, bool)):  # tree: to_config's JSON
                 raise QuickdraftError(f"speculative_config[{key!r}] is a {type(value).__name__}, which cannot be "
                                       "written as JSON; give a path or an alias")
         return out
@@ -197,6 +207,11 @@ class SpeculativeConfig:
     @property
     def effective_k(self) -> int:
         return self.num_speculative_tokens if method_class(self.method).speculates else 0
+
+
+def tree_methods() -> list[str]:
+    """The registered methods whose proposer proposes token trees (the ones speculative_config's tree applies to)."""
+    return [name for name, cls in PROPOSERS.items() if cls.proposes_trees]
 
 
 def known_keys() -> list[str]:
@@ -254,10 +269,12 @@ def parse_draft(draft: str, k: int) -> dict[str, Any]:
 def draft_label(config: dict[str, Any] | SpeculativeConfig) -> str:
     """A speculative_config as the command line's --draft names it (layers:12, a model's name, ...)."""
     config = SpeculativeConfig.from_dict(config)
-    return method_class(config.method).label(config)
+    label = method_class(config.method).label(config)
+    return label if config.tree is None else f"{label} --tree {config.tree.spelling}"
 
 
 __all__ = ["BUILT_IN", "METHODS", "PROPOSERS", "SpeculativeConfig", "DraftContext", "DraftOptions", "LoadedDraft",
            "Proposal", "Proposer", "NoDraft", "NgramProposer", "DraftModelProposer", "LayerSkipProposer",
            "QuantizedSelfProposer", "SuffixProposer", "EagleProposer", "ModelLookupProposer",
-           "build_proposer", "draft_help", "draft_label", "known_keys", "method_class", "parse_draft", "register"]
+           "build_proposer", "draft_help", "draft_label", "known_keys", "method_class", "parse_draft", "register",
+           "tree_methods", "TreeSettings"]

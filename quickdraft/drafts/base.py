@@ -99,6 +99,39 @@ class TreeSettings:
         if self.max_depth > self.max_nodes:
             raise QuickdraftError(f"speculative_config['tree']: max_depth {self.max_depth} > max_nodes "
                                   f"{self.max_nodes}; a tree of depth D has at least D nodes")
+        if not isinstance(self.auto, bool):
+            raise QuickdraftError(f"speculative_config['tree']['auto'] must be true or false, got {self.auto!r}")
+
+    @classmethod
+    def from_config(cls, value: Any) -> "TreeSettings | None":
+        """speculative_config's "tree" as given: None (chains), "auto", {"max_nodes": N, "max_depth": D} (a key
+        left out keeps its default; "auto": true sizes each step within those bounds), or a TreeSettings."""
+        if value is None or isinstance(value, TreeSettings):
+            return value
+        if value == "auto":
+            return cls(auto=True)
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"max_nodes", "max_depth", "auto"})
+            if unknown:
+                raise QuickdraftError(f"speculative_config['tree'] has unknown keys {unknown}; it takes max_nodes, "
+                                      "max_depth and auto")
+            return cls(**value)
+        raise QuickdraftError(f"speculative_config['tree'] must be {{\"max_nodes\": N, \"max_depth\": D}}, \"auto\" or "
+                              f"null (chains), got {value!r}")
+
+    def to_config(self) -> "str | dict[str, Any]":
+        """The JSON form from_config reads back: "auto" at the default bounds, else the bounds (and auto)."""
+        if self.auto and (self.max_nodes, self.max_depth) == (TreeSettings.max_nodes, TreeSettings.max_depth):
+            return "auto"
+        return {"max_nodes": self.max_nodes, "max_depth": self.max_depth, **({"auto": True} if self.auto else {})}
+
+    @property
+    def spelling(self) -> str:
+        """As the command line's --tree writes it: N,D or auto (auto at other bounds: auto:N,D)."""
+        bounds = f"{self.max_nodes},{self.max_depth}"
+        if not self.auto:
+            return bounds
+        return "auto" if self.to_config() == "auto" else f"auto:{bounds}"
 
 
 @dataclass(frozen=True)

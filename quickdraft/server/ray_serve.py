@@ -28,6 +28,7 @@ import sys
 import threading
 from typing import Any, Callable
 
+from quickdraft.cli_args import with_tree_argument
 from quickdraft.errors import QuickdraftError
 from quickdraft.server.app import ServerConfig
 
@@ -226,7 +227,7 @@ OPTIONS: dict[str, tuple[Callable[[Any], Any], Any]] = {
     "max_num_seqs": (_int, 64), "max_queue": (_int, 256), "kv_cache_memory": (_memory, None),
     "max_model_len": (_int, None), "served_model_name": (_str, None), "api_key": (_str, None),
     "grace_period": (_number, 30.0), "replicas": (_int, None), "autoscaling_config": (_json_object, None),
-    "num_cpus": (_number, None), "num_gpus": (_number, None),
+    "num_cpus": (_number, None), "num_gpus": (_number, None), "tree": (_str, None),
 }
 
 
@@ -278,6 +279,7 @@ def app_settings(args: dict[str, Any] | None = None,
     spec = parse_draft(o["draft"], o["k"])
     if o["fixed_k"] and spec["method"] != "none":
         spec["adaptive"] = False
+    spec = with_tree_argument(spec, o["tree"])
     SpeculativeConfig.from_dict(spec)
     model = o["model"] or DEFAULT_MODEL
     llm_kwargs = dict(model=model, speculative_config=spec, dtype=o["dtype"], device=o["device"],

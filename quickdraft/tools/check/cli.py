@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
-from quickdraft.cli_args import add_sampling_filter_arguments
+from quickdraft.cli_args import add_sampling_filter_arguments, add_tree_argument, with_tree_argument
 from quickdraft.errors import QuickdraftError
 from quickdraft.tools.check.checking import (DEFAULT_ALPHA, DEFAULT_CHECK_SEED, DEFAULT_MAX_FORWARDS,
                                              DEFAULT_MAX_TOKENS, DEFAULT_SAMPLE_TOKENS, DEFAULT_SAMPLES,
@@ -35,6 +35,7 @@ def add_parser(sub) -> None:
     p.add_argument("--speculative-config", default=None, metavar="FILE_OR_JSON",
                    help="a speculative_config as JSON (or a file holding it), e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 3}'; overrides --draft, --k and --adaptive")
+    add_tree_argument(p)
     p.add_argument("--chat", action="store_true", help="wrap text prompts in the model's chat template")
     p.add_argument("--max-prompts", type=int, default=None, help="check only the first N prompts of the file")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
@@ -67,7 +68,7 @@ def add_parser(sub) -> None:
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """--speculative-config (JSON text or a file of it), else --draft / --k / --adaptive."""
+    """--speculative-config (JSON text or a file of it), else --draft / --k / --adaptive; --tree on top."""
     from quickdraft.drafts import SpeculativeConfig, parse_draft, read_config
 
     if args.speculative_config is not None:
@@ -77,6 +78,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
             raise QuickdraftError("--draft none is plain decoding: there is nothing to check; give a draft")
         spec = parse_draft(args.draft, args.k)
         spec["adaptive"] = bool(args.adaptive)
+    spec = with_tree_argument(spec, args.tree)
     SpeculativeConfig.from_dict(spec)  # its errors before the model loads
     return spec
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from quickdraft.cli_args import add_tree_argument, with_tree_argument
 from quickdraft.drafts import draft_help
 from quickdraft.errors import QuickdraftError
 from quickdraft.params import SamplingParams
@@ -28,6 +29,7 @@ def add_parser(sub) -> None:
                         "{\"prompt\": ...} / {\"prompt_token_ids\": [...]} records")
     p.add_argument("--drafts", default=DEFAULT_DRAFTS,
                    help=f"comma list of drafts as --draft takes them: {draft_help(DEFAULT_DRAFTS)}")
+    add_tree_argument(p)
     p.add_argument("--k-max", type=int, default=DEFAULT_K_MAX, help=f"largest K tried (default {DEFAULT_K_MAX})")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"tokens generated per prompt (default {DEFAULT_MAX_TOKENS})")
@@ -58,6 +60,17 @@ def _check_out_path(out: str | None) -> Path | None:
     return path
 
 
+def tree_candidates(drafts: str, k_max: int, tree: str | None) -> str | list[dict]:
+    """--drafts, checked, with --tree's setting on every draft (a draft that proposes no trees is refused by
+    name) where it is given."""
+    candidates = parse_candidates(drafts, k_max)
+    if tree is None:
+        return drafts
+    treed = [with_tree_argument(c.config, tree) for c in candidates]
+    parse_candidates(treed, k_max)  # the tree's errors before the model loads
+    return treed
+
+
 def load_llm(args: argparse.Namespace):
     """The target for `quickdraft tune` (plain: each draft is attached to it in turn)."""
     from quickdraft import LLM
@@ -72,7 +85,7 @@ def run_tune(args: argparse.Namespace) -> int:
 
     # Everything that can be checked is checked before the model loads.
     prompts = read_prompts(args.prompts)
-    parse_candidates(args.drafts, args.k_max)
+    drafts = tree_candidates(args.drafts, args.k_max, args.tree)
     out = _check_out_path(args.out)
     if args.threads is not None and args.threads < 1:
         raise QuickdraftError(f"--threads must be >= 1, got {args.threads}")
@@ -92,7 +105,7 @@ def run_tune(args: argparse.Namespace) -> int:
     quiet_transformers()
     progress(f"loading {args.model or 'the default model'} ...")
     llm = load_llm(args)
-    report = tune(llm, prompts, args.drafts, args.k_max, params, chat=args.chat, sweep=args.sweep, progress=progress)
+    report = tune(llm, prompts, drafts, args.k_max, params, chat=args.chat, sweep=args.sweep, progress=progress)
     print(report.render())
     if out is not None:
         out.write_text(report.recommended_json + "\n", encoding="utf-8")

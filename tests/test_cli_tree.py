@@ -5,7 +5,6 @@ refused before any model loads."""
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 

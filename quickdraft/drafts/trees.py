@@ -1,8 +1,8 @@
 """Token trees as proposers build them (issue 25; the tree itself: quickdraft/token_tree.py): a lookup's
-continuations merged into a trie that keeps the most frequent nodes within a budget, a draft model's
-candidates ranked by path probability as it grows them (DynamicTree: EAGLE-2, Li et al. 2024), and the proposal either becomes: a chain where
-only one continuation is left (verified as today), else a tree of DETERMINISTIC children (a function of the
-context, so q is one-hot and verification stays exact at every temperature)."""
+continuations merged into a trie that keeps the most frequent nodes within a budget, a draft model's candidates
+ranked by path probability as it grows them (DynamicTree: EAGLE-2, Li et al. 2024), and the proposal either
+becomes: a chain where only one continuation is left (verified as today), else a tree of DETERMINISTIC children
+(a function of the context, so q is one-hot and verification stays exact at every temperature)."""
 
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ def test_the_flat_config_keeps_its_keys_errors_and_round_trip():
         "acceptance", "adaptive", "eagle_lookup", "method", "model", "num_layers", "num_speculative_tokens",
         "prompt_lookup_max", "prompt_lookup_min", "quantization", "suffix_decoding_max_cached_tokens",
         "suffix_decoding_max_spec_factor", "suffix_decoding_max_tree_depth", "suffix_decoding_min_token_prob",
-        "threshold", "tokenizer"])
+        "threshold", "tokenizer", "tree"])
     with pytest.raises(QuickdraftError, match=r"unknown speculative_config keys \[.bogus.\]; known keys: \[.accept"):
         SpeculativeConfig.from_dict({"method": "suffix", "bogus": 1})
     written = {"method": "suffix", "num_speculative_tokens": 8, "adaptive": False, "suffix_decoding_max_tree_depth": 30,

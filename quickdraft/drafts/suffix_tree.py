@@ -426,16 +426,11 @@ class SuffixIndex:
                     break
                 if depth < self.max_depth:
                     return  # every occurrence ends here
-                # The tree holds no longer contexts: re-anchor on the path's last tokens (as _follow does).
-                anchor = max(1, self.max_depth // 2)
-                tail = path[-anchor:]
-                if len(tail) < anchor:
-                    tail = history[len(history) - (anchor - len(tail)):] + tail
-                found = self._walk(tail)
+                found = self._reanchor(path, history)
                 if found is None:
                     return
                 node, offset, depth = found
-            total = node.cont + prior / (1 << min(max(depth - 1, 0), 30))
+            total = _smoothed_total(node, depth, prior)
             best = node.best if node.best is not None else max(node.children.values(), key=_count)
             floor = min_prob * total / prob  # a child's count below this falls under min_prob
             # The most frequent child first, so that ties keep `speculate`'s choice.
@@ -478,6 +473,15 @@ class SuffixIndex:
             node, offset = child, take
         return node, offset, depth
 
+    def _reanchor(self, drafted: list[int], history: list[int]):
+        """Past the tree's depth it holds no longer contexts: where the last max_depth // 2 tokens of history +
+        drafted end (_walk's answer; None when the index does not hold them)."""
+        anchor = max(1, self.max_depth // 2)
+        tail = drafted[-anchor:]
+        if len(tail) < anchor:
+            tail = history[len(history) - (anchor - len(tail)):] + tail
+        return self._walk(tail)
+
     def _follow(self, node: _Node, offset: int, depth: int, cap: int, min_prob: float,
                 history: list[int], prior: float) -> list[int]:
         """Up to `cap` tokens from (node, offset into its edge, depth): the rest of the edge, then the most
@@ -486,7 +490,6 @@ class SuffixIndex:
         out: list[int] = []
         prob = 1.0
         limit = self.max_depth
-        anchor = max(1, limit // 2)
         used = None
         while len(out) < cap:
             nlen = node.edge_length()
@@ -502,11 +505,7 @@ class SuffixIndex:
             if children is None:
                 if depth < limit:
                     break  # every occurrence ends here (the end of a text)
-                # The tree holds no longer contexts: re-anchor on the last `anchor` tokens.
-                tail = out[-anchor:]
-                if len(tail) < anchor:
-                    tail = history[len(history) - (anchor - len(tail)):] + tail
-                found = self._walk(tail)
+                found = self._reanchor(out, history)
                 if found is None:
                     break
                 node, offset, depth = found
@@ -514,7 +513,7 @@ class SuffixIndex:
             best = node.best
             if best is None:
                 best = node.best = max(children.values(), key=_count)
-            prob *= best.count / (node.cont + prior / (1 << min(max(depth - 1, 0), 30)))
+            prob *= best.count / _smoothed_total(node, depth, prior)
             if prob < min_prob:
                 break
             node, offset = best, 0
@@ -574,6 +573,12 @@ class SuffixIndex:
             for key, child in (children or {}).items():
                 assert child.parent is node and child.doc.tokens[child.start] == key
                 stack.append(child)
+
+
+def _smoothed_total(node: _Node, depth: int, prior: float) -> float:
+    """The denominator of a child's probability at `node` (reached at `depth`): the continuations seen there plus
+    a pseudo-count of unseen ones, prior at a context of one token, halving with each further token."""
+    return node.cont + prior / (1 << min(max(depth - 1, 0), 30))
 
 
 def _count(node: _Node) -> int:

@@ -295,3 +295,58 @@ def test_draft_model_tree_stays_within_its_budget(budget):
     nodes = proposal.tokens.numel()
     tree_depth = proposal.tree.max_depth if proposal.tree is not None else nodes
     assert 1 <= nodes <= budget.max_nodes and tree_depth <= budget.max_depth
+
+
+# --- draft model on the native runner's kernels ------------------------------------------------------------
+class _LineRunner:
+    """A reference draft runner: every row it is asked for is computed by `runner` from scratch on the tokens
+    the row attends to (TreeAttention.visible), fed in a line; its caches keep token ids only."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.vocab_size, self.max_len, self.device = runner, runner.vocab_size, runner.max_len, CPU
+
+    def new_cache(self) -> SequenceCache:
+        return _StubCache()
+
+    def forward_batch(self, caches, tokens, num_logits, return_hidden=False, trees=None):
+        rows = []
+        for index, (cache, feed, count) in enumerate(zip(caches, tokens, num_logits)):
+            first = len(cache)
+            cache.record(feed)
+            ids = cache.token_ids
+            tree = trees[index] if trees is not None else None
+            for slot in range(first + len(feed) - count, first + len(feed)):
+                visible = tree.visible(slot) if tree is not None else list(range(slot + 1))
+                line = self.runner.new_cache()
+                rows.append(self.runner.forward(line, torch.tensor([ids[s] for s in visible]), 1)[0])
+        return torch.stack(rows)
+
+
+@pytest.mark.parametrize("view", ["whole", "layer_skip", "int8"])
+def test_draft_model_tree_on_the_kernels_is_the_tree_of_its_paths_in_a_line(view):
+    """The native runner's tree attention gives each node the logits of its path fed in a line (bitwise on the
+    kernels), so the tree drafted through it is the one a line-by-line reference drafts; layer_skip's truncated
+    view and an int8 draft (quantized) too."""
+    from conftest import tiny_llama16
+    from quickdraft.kernels import cpu_linear
+    from quickdraft.models.native import NativeRunner
+
+    if cpu_linear() is None:
+        pytest.skip("the CPU kernels need AVX512-BF16")
+    model = tiny_llama16().to(torch.bfloat16)
+    runner = {"whole": lambda r: r, "layer_skip": lambda r: r.truncated(1),
+              "int8": lambda r: r.quantized("int8")}[view](NativeRunner(model))
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    proposals = []
+    for draft_runner in (runner, _LineRunner(runner)):
+        proposer = DraftModelProposer(draft_runner, vocab)
+        seq = _sequence(prompt, vocab=vocab)
+        seq.draft_state = proposer.new_state(seq)
+        (proposal,) = proposer.propose_tree_batch([seq], [TreeBudget(12, 4)])
+        assert len(seq.draft_state.kv_cache) == len(prompt)
+        proposals.append(proposal)
+    tree, line = proposals
+    assert tree.tree is not None and tree.tokens.numel() == 12 and tree.tree.max_depth > 1
+    assert tree.tokens.tolist() == line.tokens.tolist()
+    assert tree.tree.parents.tolist() == line.tree.parents.tolist()

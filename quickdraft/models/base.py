@@ -183,3 +183,23 @@ def check_batch(runner: Runner, caches: list, tokens: list, num_logits: list) ->
                                   f"{runner.max_len}{which}; shorten the prompt or max_tokens")
         flat.append(ids)
     return flat
+
+
+def check_trees(runner: Runner, caches: list, tokens: list[torch.Tensor],
+                trees: list[TreeAttention | None] | None) -> list[TreeAttention | None] | None:
+    """What a runner checks of forward_batch's trees before it changes any cache: one entry per sequence, each
+    tree ending where the call does (len(cache) + n_i) and starting within the cache or the call. Returns the
+    trees, or None when no sequence has one."""
+    if trees is None:
+        return None
+    if len(trees) != len(caches):
+        raise QuickdraftError(f"{runner.name}: forward_batch takes one tree (or None) per sequence; got {len(trees)} "
+                              f"for {len(caches)} sequences")
+    for i, (cache, ids, tree) in enumerate(zip(caches, tokens, trees)):
+        if tree is not None and tree.end != len(cache) + int(ids.shape[0]):
+            raise QuickdraftError(f"{runner.name}: sequence {i}'s tree ends at slot {tree.end}, but the call ends at "
+                                  f"{len(cache) + int(ids.shape[0])}; its parents must cover every tree slot up to "
+                                  "the call's last row")
+        if tree is not None and tree.base > len(cache) + int(ids.shape[0]):
+            raise QuickdraftError(f"{runner.name}: sequence {i}'s tree starts at slot {tree.base}, after the call")
+    return trees if any(tree is not None for tree in trees) else None

@@ -33,7 +33,7 @@ from quickdraft import kernels
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels.quant import QuantizedWeight
 from quickdraft.kv.static_cache import StaticSequenceCache
-from quickdraft.models.base import QUANTIZATION_SCHEMES, check_batch
+from quickdraft.models.base import QUANTIZATION_SCHEMES, TreeAttention, check_batch, check_trees
 from quickdraft.models.config import get_text_config
 from quickdraft.models.families import FAMILIES, NO_ROPE, STATIC_ROPE_TYPES, FamilySettings, sliding_window, \
     unsupported_reason
@@ -100,6 +100,16 @@ def _release(modules: list[nn.Module]) -> None:
 
 
 # --- the runner -----------------------------------------------------------------------------------------------
+
+def _kernel_trees(trees: list[TreeAttention | None] | None) -> tuple[list[int], list[torch.Tensor]]:
+    """The kernels' form of the trees (cpu_attention.cpp's cache_segments): per sequence its base slot (0: none)
+    and its parent slots as an int64 tensor; empty lists when no sequence has a tree."""
+    if trees is None:
+        return [], []
+    return ([0 if t is None else t.base for t in trees],
+            [torch.empty(0, dtype=torch.long) if t is None else torch.tensor(t.parents, dtype=torch.long)
+             for t in trees])
+
 
 def _rms_norm_llama(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Llama rounds the normalised activations to the model dtype before the weight multiplies them.
@@ -364,7 +374,7 @@ class NativeRunner:
         return attn.view(h_kv, group, n, d).permute(2, 0, 1, 3).reshape(n, h_q * d)
 
     def _layers(self, x: torch.Tensor, caches: list[StaticSequenceCache], starts: list[int],
-                counts: list[int]) -> torch.Tensor:
+                counts: list[int], trees: list[TreeAttention | None] | None = None) -> torch.Tensor:
         """The decoder layers in Python: the kernels one by one where they apply, torch ops elsewhere.
         x: [num_tokens, hidden], the counts[i] rows of sequence i (at positions starts[i]..) after those of the
         sequences before it. Linear layers, norms and the activation take all rows at once; the cache write and
@@ -461,7 +471,7 @@ class NativeRunner:
     @torch.inference_mode()
     def forward_batch(self, caches: list[StaticSequenceCache], tokens: list[torch.Tensor], num_logits: list[int],
                       use_decoder: bool = True, inputs_embeds: list[torch.Tensor] | None = None,
-                      return_hidden: bool = False):
+                      return_hidden: bool = False, trees: list[TreeAttention | None] | None = None):
         """One forward over several sequences (continuous batching): sequence i appends tokens[i] [n_i]
         (n_i >= 1) at positions len(caches[i]).., and the result is the float32 logits of the last
         num_logits[i] (0..n_i) inputs of each sequence, concatenated in order: [sum(num_logits), V].
@@ -475,8 +485,12 @@ class NativeRunner:
         inputs_embeds: the first layer's input rows [n_i, hidden] per sequence instead of the tokens' embeddings
         (an EAGLE head's fused features; the tokens are still what the caches record).
         return_hidden: also return every input row's final hidden state after the final norm (what the output
-        layer reads; EAGLE's features), [sum(n_i), hidden] in the model's dtype: (logits, hidden)."""
+        layer reads; EAGLE's features), [sum(n_i), hidden] in the model's dtype: (logits, hidden).
+        trees: per sequence None or a TreeAttention ending at len(cache) + n_i (models/base.py): its tree rows sit at
+        positions by depth and attend the prefix and their ancestors; on the CPU kernels a tree node's logits and
+        keys are bitwise those of its path's tokens fed in a line."""
         flat = check_batch(self, caches, tokens, num_logits)  # before any cache changes
+        trees = check_trees(self, caches, flat, trees)
         if inputs_embeds is not None and [int(e.shape[0]) for e in inputs_embeds] != [int(t.shape[0]) for t in flat]:
             raise QuickdraftError(f"{self.name}: inputs_embeds must give one row per token of each sequence")
         counts = [ids.shape[0] for ids in flat]
@@ -495,10 +509,12 @@ class NativeRunner:
         if decoder is not None:
             decoder, kinds = decoder
             tables = [self._rope(kind, max(ends)) for kind in kinds]  # whole tables, indexed by position
+            bases, parents = _kernel_trees(trees)
             x = decoder.forward_batch(x, [cache.keys for cache in caches], [cache.values for cache in caches],
-                                      starts, counts, [cos for cos, _ in tables], [sin for _, sin in tables])
+                                      starts, counts, [cos for cos, _ in tables], [sin for _, sin in tables],
+                                      bases, parents)
         else:
-            x = self._layers(x, caches, starts, counts)
+            x = self._layers(x, caches, starts, counts, trees)
 
         for cache, part in zip(caches, ids.split(counts) if len(caches) > 1 else (ids,)):
             cache.record(part)

@@ -1,6 +1,8 @@
 """The transformers runner: any transformers causal LM behind the Runner protocol (models/base.py), with an
 incremental DynamicCache per sequence, one model call per sequence (batch 1 behind the batched interface).
 Models the native runner (models/native.py) has no decoder for run here, and so do the transformers baselines.
+A token tree's rows (models.base.TreeAttention) go through the model's own attention as a 4-D additive mask and
+position ids (models/tree_mask.py), one mask per layer type where the layers' windows differ.
 """
 
 from __future__ import annotations

@@ -298,7 +298,7 @@ class Engine:
         the others."""
         out: list[list[PositionLogprobs] | None] = []
         lo = 0
-        for seq, draft, (n, token), nodes in zip(seqs, drafts, n_tokens, accepted):
+        for seq, draft, (_, token), nodes in zip(seqs, drafts, n_tokens, accepted):
             if seq.params.logprobs is not None:
                 tokens = torch.cat([draft[nodes].to(logits.device), torch.tensor([token], device=logits.device)])
                 rows = torch.tensor([lo] + [lo + 1 + j for j in nodes], device=logits.device)
@@ -312,7 +312,8 @@ class Engine:
     @staticmethod
     def _processed_rows(seqs: list[Sequence], logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """The step's rows [num_rows, V] as verification reads them: each sequence's grammar mask, logit bias and
-        penalties (at row j, its history plus draft[:j]; a tree's row, its history plus the path to it); then the sampled sequences' rows as probabilities."""
+        penalties (at row j, its history plus draft[:j]; a tree's row, its history plus the path to it); then the
+        sampled sequences' rows as probabilities."""
         processed = logits
         adjusted = [seq.penalties is not None or seq.params.logit_bias is not None or seq.grammar is not None
                     for seq in seqs]

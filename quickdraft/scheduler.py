@@ -331,7 +331,8 @@ class Scheduler:
         target token; where it translates into more, the no-progress guard of step() ends the request."""
         grown = params.max_tokens - 1
         histories = [len(prompt_ids), self.engine.proposer.draft_length(prompt_ids)][:len(self._runners)]
-        need = self._bytes_for([min(length + grown, self.engine.max_len - 1) + self.engine.max_step_drafts + 1 for length in histories])
+        extra = self.engine.max_step_drafts + 1
+        need = self._bytes_for([min(length + grown, self.engine.max_len - 1) + extra for length in histories])
         if need > self.pool.budget_bytes:
             drafted = f", the draft reading it as {histories[1]} of its own tokens" \
                 if len(histories) > 1 and histories[1] != histories[0] else ""

@@ -145,6 +145,25 @@ def test_tree_output_equals_plain_output(runner, batch, params):
     assert all(b.max_depth <= 4 and b.max_nodes <= 12 for b in proposer.budgets)
 
 
+@pytest.mark.parametrize("kind", ["native-float32", "hf-float32"])
+def test_tree_output_equals_plain_output_on_the_torch_forwards(kind):
+    """The same on the forwards that run on torch ops (the native layer loop in float32, the transformers
+    runner): the tree's masks and positions there, greedy, two sequences."""
+    from quickdraft.models.hf import HFRunner
+
+    model = tiny_llama16(seed=0)
+    runner = NativeRunner(model) if kind == "native-float32" else HFRunner(model)
+    sp = SamplingParams(max_tokens=20, temperature=0)
+    expected = [_plain(runner, p, sp) for p in PROMPTS[:2]]
+    oracle = {}
+    engine = Engine(runner, RandomTreeProposer(runner.vocab_size, 4, oracle), 4, tree=TreeSettings(12, 4))
+    seqs = [engine.new_sequence(p, sp) for p in PROMPTS[:2]]
+    oracle.update({id(seq): truth for seq, truth in zip(seqs, expected)})
+    _run_batch(engine, seqs)
+    assert [s.output_ids for s in seqs] == expected
+    assert all(s.metrics.tree_steps > 0 and s.metrics.accepted_tokens > 0 for s in seqs)
+
+
 def test_tree_steps_keep_the_cache_a_line_that_plain_decoding_continues(runner):
     """After tree steps the cache's keys are those of the committed tokens in a line: a forward on it gives
     bitwise the logits of a fresh cache fed the same history."""

@@ -39,6 +39,7 @@ from quickdraft.models.families import FAMILIES, NO_ROPE, STATIC_ROPE_TYPES, Fam
     unsupported_reason
 from quickdraft.models.gguf_weights import QuantizedWeights
 from quickdraft.models.linear import BlockLinear, Linear, blocks_fit, dense_linear, fused_bias
+from quickdraft.models.tree_mask import tree_positions, tree_visibility
 
 # (Linear and QUANTIZATION_SCHEMES, defined here before models/linear.py and models/base.py, import from here still.)
 
@@ -353,18 +354,22 @@ class NativeRunner:
         return (_rms_norm_gemma if gemma_style else _rms_norm_llama)(x, weight, self.eps)
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                   window: int | None, masks: dict) -> torch.Tensor:
-        """Torch attention of queries q [n, Hq, d] at positions start.. over keys/values [Hkv, end, d]."""
+                   window: int | None, masks: dict, tree: TreeAttention | None = None) -> torch.Tensor:
+        """Torch attention of queries q [n, Hq, d] at positions start.. over keys/values [Hkv, end, d]; with a
+        tree, the queries of slots start.. see what it says (models/tree_mask.py), the window by position."""
         n, h_q, d = q.shape
         h_kv, end = keys.shape[0], keys.shape[1]
         group = h_q // h_kv
         mask = masks.get(window)
         if mask is None:  # additive: 0 where a query may see a key, -inf elsewhere
-            q_pos = torch.arange(start, end, device=q.device)[:, None]
-            k_pos = torch.arange(end, device=q.device)[None, :]
-            allowed = k_pos <= q_pos
-            if window is not None:
-                allowed &= k_pos > q_pos - window
+            if tree is not None:
+                allowed = tree_visibility(tree, start, window).to(q.device)  # [n, end]
+            else:
+                q_pos = torch.arange(start, end, device=q.device)[:, None]
+                k_pos = torch.arange(end, device=q.device)[None, :]
+                allowed = k_pos <= q_pos
+                if window is not None:
+                    allowed &= k_pos > q_pos - window
             mask = masks[window] = torch.zeros(allowed.shape, device=q.device).masked_fill_(~allowed, float("-inf"))
         # Grouped-query attention without repeating keys: a kv head's queries are rows of one matmul.
         q = q.reshape(n, h_kv, group, d).permute(1, 2, 0, 3).reshape(h_kv, group * n, d)
@@ -376,9 +381,11 @@ class NativeRunner:
     def _layers(self, x: torch.Tensor, caches: list[StaticSequenceCache], starts: list[int],
                 counts: list[int], trees: list[TreeAttention | None] | None = None) -> torch.Tensor:
         """The decoder layers in Python: the kernels one by one where they apply, torch ops elsewhere.
-        x: [num_tokens, hidden], the counts[i] rows of sequence i (at positions starts[i]..) after those of the
+        x: [num_tokens, hidden], the counts[i] rows of sequence i (at slots starts[i]..) after those of the
         sequences before it. Linear layers, norms and the activation take all rows at once; the cache write and
-        attention run per sequence, on its own cache."""
+        attention run per sequence, on its own cache. trees: per sequence None (causal rows at positions equal
+        to their slots) or the TreeAttention its rows form (end starts[i] + counts[i], checked by the caller):
+        each row is roped at the tree's position for its slot and attends as the tree says."""
         n = x.shape[0]
         h_q, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         ends = [start + count for start, count in zip(starts, counts)]
@@ -389,15 +396,18 @@ class NativeRunner:
         ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         masks: list[dict[int | None, torch.Tensor]] = [{} for _ in caches]  # per sequence, per window
         fast = self._cpu_kernels
+        trees = trees or [None] * len(caches)
+        bases, parents = _kernel_trees(trees if any(tree is not None for tree in trees) else None)
+        # The rows of each sequence's positions in the rope tables: its slots, or its tree's positions.
+        rope_rows = [slice(start, end) if tree is None else tree_positions(tree)[start:].to(self.device)
+                     for start, end, tree in zip(starts, ends, trees)]
         norm = self._norm
         for index, layer in enumerate(self.layers):
             if layer.rope not in ropes:
                 cos, sin = self._rope(layer.rope, max(ends))
                 if fast is None:  # the rows of every token's position: [num_tokens, head_dim]
-                    cos = torch.cat([cos[start:end] for start, end in zip(starts, ends)]) if len(caches) > 1 \
-                        else cos[starts[0]:ends[0]]
-                    sin = torch.cat([sin[start:end] for start, end in zip(starts, ends)]) if len(caches) > 1 \
-                        else sin[starts[0]:ends[0]]
+                    cos = torch.cat([cos[rows] for rows in rope_rows]) if len(caches) > 1 else cos[rope_rows[0]]
+                    sin = torch.cat([sin[rows] for rows in rope_rows]) if len(caches) > 1 else sin[rope_rows[0]]
                 ropes[layer.rope] = (cos, sin)  # the kernels take whole tables, indexed by position
             cos_rows, sin_rows = ropes[layer.rope]
 
@@ -405,9 +415,10 @@ class NativeRunner:
             if fast is not None:
                 q = fast.rope_and_cache_segments(qkv, h_q, self._no_tensor if layer.qk_norm is None else layer.qk_norm,
                                                  self.eps, cos_rows, sin_rows, keys_list, values_list, index, starts,
-                                                 counts)  # [num_tokens, Hq, head_dim]
+                                                 counts, bases, parents)  # [num_tokens, Hq, head_dim]
                 attn = fast.attention_segments(q, h_q, keys_list, values_list, index, starts, counts,
-                                               layer.sliding_window or 0, self.scale)  # [num_tokens, Hq * head_dim]
+                                               layer.sliding_window or 0, self.scale, bases,
+                                               parents)  # [num_tokens, Hq * head_dim]
             else:
                 qk = qkv[:, : (h_q + h_kv) * d].view(n, h_q + h_kv, d)  # queries and keys, roped together
                 if layer.qk_norm is not None:
@@ -421,7 +432,7 @@ class NativeRunner:
                     keys[:, start:end] = qk[lo:hi, h_q:].transpose(0, 1)
                     values[:, start:end] = qkv[lo:hi, (h_q + h_kv) * d:].view(hi - lo, h_kv, d).transpose(0, 1)
                     parts.append(self._attention(qk[lo:hi, :h_q], keys[:, :end], values[:, :end], start,
-                                                 layer.sliding_window, masks[i]))
+                                                 layer.sliding_window, masks[i], trees[i]))
                 attn = parts[0] if len(parts) == 1 else torch.cat(parts)  # [num_tokens, Hq * head_dim]
             attn = layer.o(attn)
             if layer.post_attn_norm is not None:

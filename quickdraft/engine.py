@@ -48,6 +48,7 @@ class Engine:
         # ... per draft kind after the first (Proposer.draft_kind): lookup steps cost no draft forwards
         self._step_costs_by_kind: dict[str, adaptive.StepCosts] = {}
         self.batch_costs = adaptive.BatchCosts()  # any batch, by rows
+        self._tree_calibration: dict[str, adaptive.TreeCalibration] = {}  # per draft kind ("tree": "auto")
         self.eos_token_ids = set(eos_token_ids or ())
         self.max_len = min(max_len or target.max_len, target.max_len)
         # LOSSY relaxed acceptance (SpeculativeConfig acceptance="relaxed"): None, the default, is exact.
@@ -203,7 +204,7 @@ class Engine:
                 self.proposer.observe(seq, length - committed, hidden[row:].index_select(0, index))
                 row += int(feed.numel())
 
-        if self.adaptive_k:
+        if self.adaptive_k or (self.tree is not None and self.tree.auto):
             caught_up = any(proposal.catch_up for proposal in proposals)
             self.batch_costs.record(sum(int(feed.numel()) for feed in feeds), t3 - t1, sum(k > 0 for k in ks),
                                     draft_forwards, None if caught_up else t1 - t0)
@@ -217,6 +218,8 @@ class Engine:
             else:  # the accepted path's keys move next to the prefix; every other node's are dropped
                 cache.compact(length, [length + j for j in nodes])
                 metrics.count_tree(tree.num_nodes, tree.max_depth, n)
+                if proposal.scores is not None:  # how the proposer's chances compare with what was accepted
+                    self._calibration(seq).update(float(proposal.scores.float().sum()), n)
             metrics.target_forwards += 1
             metrics.draft_forwards += draft_forwards  # the batch's draft forwards served every sequence in it
             metrics.draft_time_s += t1 - t0
@@ -255,6 +258,8 @@ class Engine:
             made = self.proposer.propose_batch([seqs[i] for i in chain_rows], [ks[i] for i in chain_rows])
             for i, proposal in zip(chain_rows, made):
                 proposals[i] = proposal
+        if self.tree.auto:
+            proposals = self._size_trees(seqs, ks, proposals)
         for i in tree_rows:
             tree, budget = proposals[i].tree, budgets[i]
             if tree is not None and (tree.num_nodes > budget.max_nodes or tree.max_depth > budget.max_depth or
@@ -263,6 +268,38 @@ class Engine:
                                       f"{tree.max_depth} exceeds its budget of {budget.max_nodes} nodes and depth "
                                       f"{budget.max_depth} (or its tokens are not its nodes); this is a bug")
         return proposals
+
+    def _calibration(self, seq: Sequence) -> adaptive.TreeCalibration:
+        kind = self.proposer.draft_kind(seq)
+        if kind not in self._tree_calibration:
+            self._tree_calibration[kind] = adaptive.TreeCalibration()
+        return self._tree_calibration[kind]
+
+    def _size_trees(self, seqs: list[Sequence], ks: list[int], proposals: list[Proposal]) -> list[Proposal]:
+        """"tree": "auto": each candidate tree (a proposal with node scores) cut to the nodes worth verifying for
+        the batch's expected tokens per second (adaptive.choose_tree_nodes over the measured step costs by rows);
+        its best-first nodes by calibrated chance, down to nothing."""
+        sized = [i for i, p in enumerate(proposals) if p.tree is not None and p.scores is not None]
+        if not sized:
+            return proposals
+        base_rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs) + sum(
+            int(p.tokens.numel()) for i, p in enumerate(proposals) if i not in sized)
+        chances, orders, depths = [], [], []
+        for i in sized:
+            scores = (proposals[i].scores.float().cpu() * self._calibration(seqs[i]).factor).clamp(max=1.0).tolist()
+            order = sorted(range(len(scores)), key=lambda j: (-scores[j], j))  # parents first among equals
+            chances.append([scores[j] for j in order])
+            depths.append([int(proposals[i].tree.depth[j]) for j in order])
+            orders.append(order)
+        counts = adaptive.choose_tree_nodes(chances, depths, base_rows, self.batch_costs,
+                                            any(self.proposer.draft_kind(seqs[i]) == "model" for i in sized))
+        out = list(proposals)
+        for i, order, count in zip(sized, orders, counts):
+            if count == 0:
+                out[i] = Proposal.empty(seqs[i].device)
+            elif count < len(order):
+                out[i] = proposals[i].pruned(sorted(order[:count]))
+        return out
 
     def _tree_budget(self, seq: Sequence, k: int) -> TreeBudget | None:
         """The token tree seq may take this step: depth up to k (the step's draft cap) and the tree settings'

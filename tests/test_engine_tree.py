@@ -261,3 +261,46 @@ def _tree_law_pvalue(params):
 def test_trees_refuse_relaxed_acceptance(runner):
     with pytest.raises(QuickdraftError, match="relaxed"):
         Engine(runner, RandomTreeProposer(8, 0), 4, relaxed_threshold=0.5, tree=TreeSettings())
+
+
+def test_auto_trees_are_cut_to_the_chosen_nodes_and_stay_exact(runner, monkeypatch):
+    """"tree": "auto": the engine cuts each candidate tree to the best-first nodes adaptive.choose_tree_nodes
+    asks for (here forced to 3, then 0 on every third step); the output is still plain greedy's, the verified
+    trees are the best-scored subtrees, and a step cut to nothing is a plain step."""
+    from quickdraft import adaptive
+
+    calls = []
+
+    def choose(chances, depths, base_rows, costs, model_draft):
+        calls.append([len(c) for c in chances])
+        return [0 if len(calls) % 3 == 0 else min(3, len(c)) for c in chances]
+
+    monkeypatch.setattr(adaptive, "choose_tree_nodes", choose)
+
+    class ScoredTrees(RandomTreeProposer):
+        def propose_tree_batch(self, seqs, budgets):
+            out = super().propose_tree_batch(seqs, budgets)
+            for p in out:  # deeper nodes score lower; among siblings the later ones
+                p.scores = torch.tensor([0.9 ** int(d) - 0.01 * int(r) for d, r in zip(p.tree.depth, p.tree.sibling_rank)])
+            return out
+
+    sp = SamplingParams(max_tokens=24, temperature=0)
+    expected = _plain(runner, PROMPTS[0], sp)
+    engine = Engine(runner, ScoredTrees(runner.vocab_size, 9, {}), 4, tree=TreeSettings(12, 4, auto=True))
+    seq = engine.new_sequence(PROMPTS[0], sp)
+    engine.proposer.oracle[id(seq)] = expected
+    verified = []
+    original = engine._verify_batch
+
+    def spy(seqs, logits, drafts, proposals):
+        verified.extend(p.tree for p in proposals)
+        return original(seqs, logits, drafts, proposals)
+
+    engine._verify_batch = spy
+    _run_batch(engine, [seq])
+    assert seq.output_ids == expected
+    assert max(max(c) for c in calls) == 11  # the candidates: whole trees (SHAPE's 11 nodes of depth <= 4)
+    trees = [t for t in verified if t is not None]
+    assert trees and len(trees) < len(verified) - 1  # some steps cut to nothing (the first is the prompt's)
+    # The best three nodes by score: the root's three children (0.9, 0.89, 0.88 beat every depth-2 node).
+    assert all(t.num_nodes == 3 and t.parents.tolist() == [-1, -1, -1] for t in trees)

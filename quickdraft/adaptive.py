@@ -208,3 +208,55 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
     for _, j, i in candidates[:best_m]:
         chosen[i] = max(chosen[i], j + 1)
     return chosen
+
+
+def choose_tree_nodes(chances: list[list[float]], depths: list[list[int]], base_rows: int, costs: BatchCosts,
+                      model_draft: bool) -> list[int]:
+    """How many nodes of each sequence's candidate token tree to verify (its nodes taken best first), maximising
+    the whole batch's expected tokens per second: choose_batch_k's rule with tree nodes as the candidates.
+
+    chances[i][j]: the expected contribution of node j of sequence i's tree to the accepted path, i.e. the
+    probability that the path passes through it (for DETERMINISTIC children, the product of the target's
+    probabilities along its path; a proposer estimates it by the draft's, EAGLE-2's path confidence, times a
+    measured calibration). A node's chance is at most its parent's, so a sequence's best-first nodes (ties by
+    node order) always form a subtree: the caller keeps that prefix of its nodes sorted by (-chance, index).
+    depths[i][j]: node j's depth (a draft forward per level). Every sequence keeps its whole tree while nothing
+    has been measured (try, then learn); 0 where verifying no tree is faster."""
+    drafts_unmeasured = not (costs.draft_forward.points if model_draft else costs.lookup.points)
+    if costs.step_seconds(base_rows, 0, 0, model_draft) is None or drafts_unmeasured:
+        return [len(c) for c in chances]
+    candidates = sorted((-chance, j, i) for i, seq_chances in enumerate(chances) for j, chance in enumerate(seq_chances))
+    kept = [0] * len(chances)
+    tokens = float(len(chances))
+    best_rate = tokens / costs.step_seconds(base_rows, 0, 0, model_draft)
+    best_m, max_depth, drafting = 0, 0, 0
+    for m, (neg_gain, j, i) in enumerate(candidates, start=1):
+        tokens -= neg_gain
+        drafting += kept[i] == 0
+        kept[i] += 1
+        max_depth = max(max_depth, depths[i][j])
+        rate = tokens / costs.step_seconds(base_rows + m, max_depth, drafting, model_draft)
+        if rate > best_rate:
+            best_rate, best_m = rate, m
+    chosen = [0] * len(chances)
+    for _, _, i in candidates[:best_m]:
+        chosen[i] += 1
+    return chosen
+
+
+class TreeCalibration:
+    """How a proposer's node chances compare with what verification accepts: accepted path lengths over the sum
+    of the verified nodes' chances, decayed (a draft's confidence is not its acceptance; the ratio corrects the
+    chances choose_tree_nodes reads). Starts at 1."""
+
+    def __init__(self) -> None:
+        self.accepted = PRIOR_WEIGHT
+        self.predicted = PRIOR_WEIGHT
+
+    def update(self, predicted: float, accepted: int) -> None:
+        self.accepted = self.accepted * DECAY + accepted
+        self.predicted = self.predicted * DECAY + predicted
+
+    @property
+    def factor(self) -> float:
+        return self.accepted / self.predicted if self.predicted > 0 else 1.0

@@ -68,7 +68,8 @@ class SequenceCache:
             raise ValueError(f"compact: keep [0, {first}) and ascending slots in [{first}, {len(ids)}), got {kept}")
         moves = [(src, first + j) for j, src in enumerate(kept) if src != first + j]
         if moves:
-            self._move_kv([src for src, _ in moves], [dst for _, dst in moves])
+            with torch.inference_mode():  # the caches are inference tensors (written inside the model's forward)
+                self._move_kv([src for src, _ in moves], [dst for _, dst in moves])
             for src, dst in moves:
                 ids[dst] = ids[src]
         self.rollback(first + len(kept))

@@ -15,10 +15,10 @@ from typing import Iterator
 
 import torch
 
-from quickdraft import adaptive, sampling, verify
-from quickdraft.drafts.base import Proposal, Proposer, TreeSettings
+from quickdraft import adaptive, sampling, verify, verify_tree
+from quickdraft.drafts.base import Proposal, Proposer, TreeBudget, TreeSettings
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.base import Runner
+from quickdraft.models.base import Runner, TreeAttention
 from quickdraft.params import SamplingParams
 from quickdraft.sequence import Logprob, PositionLogprobs, RequestMetrics, Sequence, prefetch_log_noise
 from quickdraft.step_batch import StepBatch
@@ -48,12 +48,22 @@ class Engine:
         # ... per draft kind after the first (Proposer.draft_kind): lookup steps cost no draft forwards
         self._step_costs_by_kind: dict[str, adaptive.StepCosts] = {}
         self.batch_costs = adaptive.BatchCosts()  # any batch, by rows
+        self._tree_calibration: dict[str, adaptive.TreeCalibration] = {}  # per draft kind ("tree": "auto")
         self.eos_token_ids = set(eos_token_ids or ())
         self.max_len = min(max_len or target.max_len, target.max_len)
         # LOSSY relaxed acceptance (SpeculativeConfig acceptance="relaxed"): None, the default, is exact.
         self.relaxed_threshold = relaxed_threshold
         # Token trees (speculative_config "tree"): None, the default, drafts chains.
         self.tree = tree if num_speculative_tokens > 0 else None
+        if self.tree is not None and relaxed_threshold is not None:
+            raise QuickdraftError("token trees are verified exactly; the LOSSY relaxed acceptance takes chains only: "
+                                  "drop speculative_config['tree'] or the relaxed acceptance")
+
+    @property
+    def max_step_drafts(self) -> int:
+        """The most draft tokens one sequence verifies in a step (K, or a token tree's max_nodes): the target
+        rows and the cache slots past its history that a step may write."""
+        return self.k if self.tree is None else max(self.k, self.tree.max_nodes)
 
     @property
     def device(self) -> torch.device:
@@ -140,18 +150,21 @@ class Engine:
         ks = self._choose_ks(seqs)
         kinds = [self.proposer.draft_kind(seq) for seq in seqs] if self.adaptive_k else None
         draft_forwards = self.proposer.forwards
-        proposals = self.proposer.propose_batch(seqs, ks)
-        drafts = [proposal.tokens[:k] for proposal, k in zip(proposals, ks)]
+        proposals = self._propose(seqs, ks)
+        trees = [proposal.tree for proposal in proposals]  # None: a chain
+        drafts = [proposal.tokens if tree is not None else proposal.tokens[:k]
+                  for proposal, tree, k in zip(proposals, trees, ks)]
         # Structured outputs: a draft ends before its first token the grammar does not take (a model draft's
-        # tokens are drawn under the grammar's mask already; a lookup's may leave it).
+        # tokens are drawn under the grammar's mask already; a lookup's may leave it). Trees are not asked for
+        # grammar-constrained sequences (_propose).
         drafts = [draft[:seq.grammar.valid_prefix(seq.output_ids, draft.tolist())]
                   if seq.grammar is not None and draft.numel() else draft for seq, draft in zip(seqs, drafts)]
         ks = [int(d.numel()) for d in drafts]
         draft_forwards = self.proposer.forwards - draft_forwards
         t1 = time.perf_counter()
 
-        caches, feeds, histories = [], [], []
-        for seq, draft in zip(seqs, drafts):
+        caches, feeds, histories, attention = [], [], [], []
+        for seq, draft, tree in zip(seqs, drafts, trees):
             history = seq.token_ids
             cache = seq.target_cache
             start = cache.sync(history)
@@ -161,6 +174,9 @@ class Engine:
             caches.append(cache)
             histories.append(len(history))
             feeds.append(torch.cat([torch.tensor(history[start:], dtype=torch.long, device=self.device), draft]))
+            # A tree's nodes at slots len(history).., hanging off the last committed token (its root).
+            attention.append(None if tree is None else TreeAttention.of_tree(len(history), tree.parents.tolist()))
+        tree_kwargs = {"trees": attention} if any(t is not None for t in trees) else {}
         # A sequence that asked for prompt_logprobs scores every prompt row in its first forward (its feed is
         # the whole prompt then: the scheduler loads no cached prefix for it).
         prompt_rows = [int(feed.numel()) - 1 if seq.wants_prompt_logprobs and k == 0 else 0
@@ -168,46 +184,131 @@ class Engine:
         num_logits = [k + 1 + extra for k, extra in zip(ks, prompt_rows)]
         hidden = None
         if self.proposer.uses_target_features:  # the same forward also gives every row's final hidden state
-            logits, hidden = self.target.forward_batch(caches, feeds, num_logits, return_hidden=True)
+            logits, hidden = self.target.forward_batch(caches, feeds, num_logits, return_hidden=True, **tree_kwargs)
         else:
-            logits = self.target.forward_batch(caches, feeds, num_logits)  # [sum(num_logits), V]
+            logits = self.target.forward_batch(caches, feeds, num_logits, **tree_kwargs)  # [sum(num_logits), V]
         if any(prompt_rows):
             logits = self._record_prompt_logprobs(seqs, feeds, histories, logits, num_logits, prompt_rows)
         t2 = time.perf_counter()
 
-        n_tokens = self._verify_batch(seqs, logits, drafts, proposals)  # logits: [sum(k_i + 1), V]
+        n_tokens, paths = self._verify_batch(seqs, logits, drafts, proposals)  # logits: [sum(k_i + 1), V]
         t3 = time.perf_counter()
-        step_logprobs = self._output_logprobs(seqs, logits, drafts, n_tokens)
+        # Each sequence's accepted draft indices: a tree's path, a chain's first n.
+        accepted = [path if path is not None else list(range(n)) for path, (n, _) in zip(paths, n_tokens)]
+        step_logprobs = self._output_logprobs(seqs, logits, drafts, n_tokens, accepted)
         if hidden is not None:  # [sum(n_i), hidden]: hand each sequence the features of its committed positions
             row = 0
-            for seq, feed, k, length, (n, _) in zip(seqs, feeds, ks, histories, n_tokens):
-                start = length - (int(feed.numel()) - k)  # the target position of the feed's first row
-                self.proposer.observe(seq, start, hidden[row: row + length + n - start])
+            for seq, feed, k, length, nodes in zip(seqs, feeds, ks, histories, accepted):
+                committed = int(feed.numel()) - k  # the feed's rows before its drafts (the last is the root)
+                index = torch.tensor(list(range(committed)) + [committed + j for j in nodes], device=hidden.device)
+                self.proposer.observe(seq, length - committed, hidden[row:].index_select(0, index))
                 row += int(feed.numel())
 
-        if self.adaptive_k:
+        if self.adaptive_k or (self.tree is not None and self.tree.auto):
             caught_up = any(proposal.catch_up for proposal in proposals)
             self.batch_costs.record(sum(int(feed.numel()) for feed in feeds), t3 - t1, sum(k > 0 for k in ks),
                                     draft_forwards, None if caught_up else t1 - t0)
         committed = []
-        for index, (seq, proposal, draft, k, cache, length, feed, (n, token), logprobs) in enumerate(zip(
-                seqs, proposals, drafts, ks, caches, histories, feeds, n_tokens, step_logprobs)):
-            cache.rollback(length + n)  # keep the committed drafts, drop the rejected ones
+        for index, (seq, proposal, tree, draft, k, cache, length, feed, (n, token), nodes, logprobs) in enumerate(
+                zip(seqs, proposals, trees, drafts, ks, caches, histories, feeds, n_tokens, accepted, step_logprobs)):
             metrics = seq.metrics
+            if tree is None:
+                cache.rollback(length + n)  # keep the committed drafts, drop the rejected ones
+                metrics.count_proposed(k)
+            else:  # the accepted path's keys move next to the prefix; every other node's are dropped
+                cache.compact(length, [length + j for j in nodes])
+                metrics.count_tree(tree.num_nodes, tree.max_depth, n)
+                if proposal.scores is not None:  # how the proposer's chances compare with what was accepted
+                    self._calibration(seq).update(float(proposal.scores.float().sum()), n)
             metrics.target_forwards += 1
             metrics.draft_forwards += draft_forwards  # the batch's draft forwards served every sequence in it
-            metrics.count_proposed(k)
             metrics.draft_time_s += t1 - t0
             metrics.target_time_s += t2 - t1
             metrics.verify_time_s += t3 - t2
             if self.adaptive_k:
-                seq.acceptance_for(kinds[index]).update(k, n)
+                # Per depth for a tree (depth d was judged when the path reached d - 1): a chain of its depth.
+                seq.acceptance_for(kinds[index]).update(k if tree is None else tree.max_depth, n)
                 # A step like every later one (no prompt, no draft catch-up), alone in its batch: its time is the
-                # cost of drafting k. Batched steps are not timed (their cost depends on the batch).
-                if len(seqs) == 1 and feed.numel() == k + 1 and not proposal.catch_up:
+                # cost of drafting k. Batched steps are not timed (their cost depends on the batch); nor are trees
+                # (their rows are not k + 1: the batch costs by rows count them).
+                if len(seqs) == 1 and tree is None and feed.numel() == k + 1 and not proposal.catch_up:
                     self.step_costs_of(kinds[index]).record(k, time.perf_counter() - t0)
-            committed.append(seq.commit(draft[:n].tolist(), k, token, self.eos_token_ids, self.max_len, logprobs))
+            # The target's token ends the step as a bonus where nothing was left to verify after the accepted
+            # drafts (all k of a chain; a tree path that ends at a leaf), else as a correction.
+            bonus = n == k if tree is None else not tree.children(nodes[-1] + 1 if nodes else 0)
+            committed.append(seq.commit(draft[nodes].tolist(), n if bonus else n + 1, token, self.eos_token_ids,
+                                        self.max_len, logprobs))
         return committed
+
+    def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        """The step's proposals: token trees (Proposer.propose_tree_batch) for the sequences that may take one
+        (trees on, a proposer that makes them, a draft this step, no grammar: a grammar checks drafts as a line),
+        chains (propose_batch) for the others."""
+        if self.tree is None or not self.proposer.proposes_trees:
+            return self.proposer.propose_batch(seqs, ks)
+        budgets = [self._tree_budget(seq, k) for seq, k in zip(seqs, ks)]
+        tree_rows = [i for i, budget in enumerate(budgets) if budget is not None]
+        chain_rows = [i for i, budget in enumerate(budgets) if budget is None]
+        proposals: list[Proposal | None] = [None] * len(seqs)
+        if tree_rows:
+            made = self.proposer.propose_tree_batch([seqs[i] for i in tree_rows], [budgets[i] for i in tree_rows])
+            for i, proposal in zip(tree_rows, made):
+                proposals[i] = proposal
+        if chain_rows:
+            made = self.proposer.propose_batch([seqs[i] for i in chain_rows], [ks[i] for i in chain_rows])
+            for i, proposal in zip(chain_rows, made):
+                proposals[i] = proposal
+        if self.tree.auto:
+            proposals = self._size_trees(seqs, ks, proposals)
+        for i in tree_rows:
+            tree, budget = proposals[i].tree, budgets[i]
+            if tree is not None and (tree.num_nodes > budget.max_nodes or tree.max_depth > budget.max_depth or
+                                     int(proposals[i].tokens.numel()) != tree.num_nodes):
+                raise QuickdraftError(f"{self.proposer.name}: a token tree of {tree.num_nodes} nodes and depth "
+                                      f"{tree.max_depth} exceeds its budget of {budget.max_nodes} nodes and depth "
+                                      f"{budget.max_depth} (or its tokens are not its nodes); this is a bug")
+        return proposals
+
+    def _calibration(self, seq: Sequence) -> adaptive.TreeCalibration:
+        kind = self.proposer.draft_kind(seq)
+        if kind not in self._tree_calibration:
+            self._tree_calibration[kind] = adaptive.TreeCalibration()
+        return self._tree_calibration[kind]
+
+    def _size_trees(self, seqs: list[Sequence], ks: list[int], proposals: list[Proposal]) -> list[Proposal]:
+        """"tree": "auto": each candidate tree (a proposal with node scores) cut to the nodes worth verifying for
+        the batch's expected tokens per second (adaptive.choose_tree_nodes over the measured step costs by rows);
+        its best-first nodes by calibrated chance, down to nothing."""
+        sized = [i for i, p in enumerate(proposals) if p.tree is not None and p.scores is not None]
+        if not sized:
+            return proposals
+        base_rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs) + sum(
+            int(p.tokens.numel()) for i, p in enumerate(proposals) if i not in sized)
+        chances, orders, depths = [], [], []
+        for i in sized:
+            scores = (proposals[i].scores.float().cpu() * self._calibration(seqs[i]).factor).clamp(max=1.0).tolist()
+            order = sorted(range(len(scores)), key=lambda j: (-scores[j], j))  # parents first among equals
+            chances.append([scores[j] for j in order])
+            depths.append([int(proposals[i].tree.depth[j]) for j in order])
+            orders.append(order)
+        counts = adaptive.choose_tree_nodes(chances, depths, base_rows, self.batch_costs,
+                                            any(self.proposer.draft_kind(seqs[i]) == "model" for i in sized))
+        out = list(proposals)
+        for i, order, count in zip(sized, orders, counts):
+            if count == 0:
+                out[i] = Proposal.empty(seqs[i].device)
+            elif count < len(order):
+                out[i] = proposals[i].pruned(sorted(order[:count]))
+        return out
+
+    def _tree_budget(self, seq: Sequence, k: int) -> TreeBudget | None:
+        """The token tree seq may take this step: depth up to k (the step's draft cap) and the tree settings'
+        max_depth, nodes up to max_nodes and the slots left in the context; None for a chain step."""
+        if k == 0 or seq.grammar is not None:
+            return None
+        max_nodes = min(self.tree.max_nodes, self.max_len - len(seq.token_ids))
+        max_depth = min(self.tree.max_depth, k, max_nodes)
+        return TreeBudget(max_nodes, max_depth) if max_depth > 0 else None
 
     @staticmethod
     def _record_prompt_logprobs(seqs: list[Sequence], feeds: list[torch.Tensor], histories: list[int],
@@ -227,16 +328,18 @@ class Engine:
 
     @staticmethod
     def _output_logprobs(seqs: list[Sequence], logits: torch.Tensor, drafts: list[torch.Tensor],
-                         n_tokens: list[tuple[int, int]]) -> list[list[PositionLogprobs] | None]:
-        """Per sequence that asked for logprobs, those of the tokens its step emits (the n accepted drafts, then
-        the target's token): rows lo..lo+n of the raw logits [sum(k_i + 1), V], the rows plain decoding
-        computes for those positions; None for the others."""
+                         n_tokens: list[tuple[int, int]], accepted: list[list[int]]) -> list[list[PositionLogprobs] | None]:
+        """Per sequence that asked for logprobs, those of the tokens its step emits (the accepted drafts, then
+        the target's token): the rows scoring them in the raw logits [sum(k_i + 1), V] (a chain's rows lo..lo+n,
+        a tree's root row and its path's rows), the rows plain decoding computes for those positions; None for
+        the others."""
         out: list[list[PositionLogprobs] | None] = []
         lo = 0
-        for seq, draft, (n, token) in zip(seqs, drafts, n_tokens):
+        for seq, draft, (_, token), nodes in zip(seqs, drafts, n_tokens, accepted):
             if seq.params.logprobs is not None:
-                tokens = torch.cat([draft[:n].to(logits.device), torch.tensor([token], device=logits.device)])
-                entries = sampling.token_logprobs(logits[lo: lo + n + 1], tokens, seq.params.logprobs)
+                tokens = torch.cat([draft[nodes].to(logits.device), torch.tensor([token], device=logits.device)])
+                rows = torch.tensor([lo] + [lo + 1 + j for j in nodes], device=logits.device)
+                entries = sampling.token_logprobs(logits.index_select(0, rows), tokens, seq.params.logprobs)
                 out.append(_as_logprobs(entries))
             else:
                 out.append(None)
@@ -246,7 +349,8 @@ class Engine:
     @staticmethod
     def _processed_rows(seqs: list[Sequence], logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """The step's rows [num_rows, V] as verification reads them: each sequence's grammar mask, logit bias and
-        penalties (at row j, its history plus draft[:j]); then the sampled sequences' rows as probabilities."""
+        penalties (at row j, its history plus draft[:j]; a tree's row, its history plus the path to it); then the
+        sampled sequences' rows as probabilities."""
         processed = logits
         adjusted = [seq.penalties is not None or seq.params.logit_bias is not None or seq.grammar is not None
                     for seq in seqs]
@@ -258,7 +362,9 @@ class Engine:
                     rows = processed[lo:hi]
                     if seq.grammar is not None:  # row i at the grammar's state after draft[:i]: the draft's own
                         rows = seq.grammar_masked(rows, draft.tolist())
-                    seen, counts = seq.penalties.rows(draft, hi - lo) if seq.penalties is not None else (None, None)
+                    tree = batch.trees[i]
+                    seen, counts = (None, None) if seq.penalties is None else \
+                        seq.penalties.rows(draft, hi - lo) if tree is None else seq.penalties.tree_rows(tree)
                     processed[lo:hi] = sampling.apply_penalties(rows, seq.params, seen, counts)
         sampled = [(*batch.rows(i), seq.params) for i, seq in enumerate(seqs) if not seq.params.greedy]
         if sampled:
@@ -268,7 +374,7 @@ class Engine:
         return processed
 
     def _verify_batch(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[torch.Tensor],
-                      proposals: list[Proposal]) -> list[tuple[int, int]]:
+                      proposals: list[Proposal]) -> tuple[list[tuple[int, int]], list[list[int] | None]]:
         """Verify every sequence of the step: (drafts accepted, the target's token after them) each.
 
         logits: [sum(k_i + 1), V], sequence i's k_i + 1 rows in order (row j scores draft j, row k_i the bonus):
@@ -276,18 +382,27 @@ class Engine:
         penalties, then temperature, top-k, top-p and min-p for all sampled rows of the step in one pass); then
         verify.py's rules: greedy sequences match the argmax (one argmax over the whole step) and seeded ones the
         argmax of their noise-keyed scores, all in one verify.greedy_accept over the batch; the others are
-        rejection sampled with their own generator. The results come back to the host in one read."""
-        batch = StepBatch.build(drafts, [proposal.probs for proposal in proposals])
+        rejection sampled with their own generator. A sequence with a token tree is verified by verify_tree's
+        rules of its kind (greedy, seeded, recursive rejection sampling). The results come back to the host in one
+        read: per sequence (drafts accepted, the target's token after them), and the accepted nodes of a tree
+        (None for a chain)."""
+        batch = StepBatch.build(drafts, [proposal.probs for proposal in proposals],
+                                [proposal.tree for proposal in proposals])
         processed = self._processed_rows(seqs, logits, batch)  # [num_rows, V]: logits (greedy) or probabilities
         vocab = processed.shape[-1]
-        prefetch_log_noise([(seq, len(seq.output_ids), batch.num_draft_tokens[i] + 1) for i, seq in enumerate(seqs)
-                            if not seq.params.greedy and seq.noise_key is not None], vocab)
+        prefetch_log_noise([(seq, len(seq.output_ids), (batch.num_draft_tokens[i] if batch.trees[i] is None else
+                                                         batch.trees[i].max_depth) + 1)
+                            for i, seq in enumerate(seqs) if not seq.params.greedy and seq.noise_key is not None], vocab)
+        tree_verdicts = {i: self._verify_tree(seq, batch, processed, i) for i, seq in enumerate(seqs)
+                         if batch.trees[i] is not None}  # [N_i + 1] on the device: accepted mask, then the token
         relaxed = self.relaxed_threshold
         matched = [seq.params.greedy or seq.noise_key is not None for seq in seqs]
         seeded_rows, seeded_draws = [], []  # seeded sequences' rows and the target's own draws there
         passes = []  # per sequence [k_i]: the LOSSY relaxed test's results (relaxed acceptance only)
         pairs = []  # per rejection-sampled sequence, on the device: (accepted, token)
         for i, (seq, is_matched) in enumerate(zip(seqs, matched)):
+            if i in tree_verdicts:
+                continue
             (lo, hi), draft, q = batch.rows(i), batch.drafts(i), batch.draft_probs[i]
             k = hi - lo - 1
             q = None if q is None else q[None]
@@ -317,11 +432,39 @@ class Engine:
                     0, torch.tensor(seeded_rows, device=processed.device), torch.cat(seeded_draws))
             on_device.extend(verify.greedy_accept(target_tokens, batch.draft_token_ids, batch.num_draft_tokens,
                                                   torch.cat(passes) if relaxed is not None else None))
-        values = torch.cat([t.reshape(-1).to(torch.long) for t in on_device + pairs]).tolist()  # the one host sync
+        values = torch.cat([t.reshape(-1).to(torch.long)
+                            for t in on_device + pairs + list(tree_verdicts.values())]).tolist()  # the one host sync
         size = len(seqs) if on_device else 0
-        pair_values = iter(values[2 * size:])
-        return [(values[i], values[size + i]) if is_matched else (next(pair_values), next(pair_values))
-                for i, is_matched in enumerate(matched)]
+        rest = iter(values[2 * size:])
+        results: list[tuple[int, int]] = []
+        for i, is_matched in enumerate(matched):  # pairs in sequence order, then the trees'
+            if i in tree_verdicts:
+                results.append((0, 0))
+            elif is_matched:
+                results.append((values[i], values[size + i]))
+            else:
+                results.append((next(rest), next(rest)))
+        paths: list[list[int] | None] = [None] * len(seqs)
+        for i in tree_verdicts:
+            mask = [next(rest) for _ in range(batch.num_draft_tokens[i])]
+            paths[i] = [j for j, taken in enumerate(mask) if taken]  # parents first: path order
+            results[i] = (len(paths[i]), next(rest))
+        return results, paths
+
+    @staticmethod
+    def _verify_tree(seq: Sequence, batch: StepBatch, processed: torch.Tensor, i: int) -> torch.Tensor:
+        """Sequence i's token tree verified by the exact rule of its kind (verify_tree): [N + 1] long on the device,
+        the accepted nodes' mask then the token after the path."""
+        (lo, hi), tree = batch.rows(i), batch.trees[i].to(processed.device)
+        rows = processed[lo:hi]  # [N + 1, V]: processed logits (greedy) or probabilities
+        if seq.params.greedy:
+            verdict = verify_tree.tree_greedy_accept(tree, rows)
+        elif seq.noise_key is not None:
+            log_noise = seq.log_noise(len(seq.output_ids), tree.max_depth + 1, rows.shape[-1])
+            verdict = verify_tree.tree_seeded_accept(tree, rows, log_noise.to(rows.device))
+        else:
+            verdict = verify_tree.tree_rejection_sample(tree, rows, batch.draft_probs[i], seq.generator)
+        return torch.cat([verdict.accepted.long(), verdict.next_token.reshape(1).long()])
 
     def run(self, seq: Sequence) -> Iterator[list[int]]:
         """Step until the sequence finishes, yielding each step's committed tokens."""

@@ -52,6 +52,13 @@ class PenaltyHistory:
         seen = self.seen | (counts > self.output_counts)
         return seen, counts
 
+    def tree_rows(self, tree) -> tuple[torch.Tensor, torch.Tensor]:
+        """Histories of a token tree's rows (token_tree.TokenTree: the root's row, then each node's): row r also
+        contains the draft tokens on the path to it. Returns (seen [N + 1, V], output_counts [N + 1, V])."""
+        counts = self.output_counts + tree.to(self.seen.device).row_path_counts(self.vocab_size)
+        seen = self.seen | (counts > self.output_counts)
+        return seen, counts
+
 
 def apply_penalties(
     logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None, counts: torch.Tensor | None

@@ -187,8 +187,9 @@ class Scheduler:
 
     # --- policy -------------------------------------------------------------------------------------------
     def _rows(self, seq: Sequence) -> int:
-        """The target rows a sequence may add to the next step: what its cache lacks, plus K drafts."""
-        return max(1, len(seq.token_ids) - len(seq.target_cache)) + self.engine.k
+        """The target rows a sequence may add to the next step: what its cache lacks, plus K drafts (a token
+        tree's nodes)."""
+        return max(1, len(seq.token_ids) - len(seq.target_cache)) + self.engine.max_step_drafts
 
     def _admit(self) -> None:
         budget = self.max_num_batched_tokens - sum(self._rows(r.sequences[i]) for r, i in self.running)
@@ -277,9 +278,10 @@ class Scheduler:
         return caches
 
     def _next_step_lengths(self, seq: Sequence) -> list[int]:
-        """The positions each counted runner's cache needs for `seq`'s next step: its history + K + 1 (the
+        """The positions each counted runner's cache needs for `seq`'s next step: its history + K + 1 (K: a token
+        tree's nodes where trees are on; the
         draft's history is the target's unless the draft has another tokenizer)."""
-        extra = self.engine.k + 1
+        extra = self.engine.max_step_drafts + 1
         return [len(seq.token_ids) + extra, len(self.engine.proposer.draft_history(seq)) + extra][:len(self._runners)]
 
     def _reserve(self, seq: Sequence) -> bool:
@@ -329,13 +331,14 @@ class Scheduler:
         target token; where it translates into more, the no-progress guard of step() ends the request."""
         grown = params.max_tokens - 1
         histories = [len(prompt_ids), self.engine.proposer.draft_length(prompt_ids)][:len(self._runners)]
-        need = self._bytes_for([min(length + grown, self.engine.max_len - 1) + self.engine.k + 1 for length in histories])
+        extra = self.engine.max_step_drafts + 1
+        need = self._bytes_for([min(length + grown, self.engine.max_len - 1) + extra for length in histories])
         if need > self.pool.budget_bytes:
             drafted = f", the draft reading it as {histories[1]} of its own tokens" \
                 if len(histories) > 1 and histories[1] != histories[0] else ""
             raise QuickdraftError(
                 f"this request cannot fit in the KV cache budget: prompt ({histories[0]} tokens{drafted}) + "
-                f"max_tokens ({params.max_tokens}) + {self.engine.k + 1} positions of speculation need "
+                f"max_tokens ({params.max_tokens}) + {self.engine.max_step_drafts + 1} positions of speculation need "
                 f"{-(-need // self.pool.block_bytes)} blocks of 16 positions, but kv_cache_memory holds "
                 f"{self.pool.total_blocks} ({self.pool.max_tokens} tokens); lower max_tokens, shorten the prompt "
                 "or raise kv_cache_memory")

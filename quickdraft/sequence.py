@@ -53,6 +53,8 @@ class RequestMetrics:
     proposed_per_position: list[int] = field(default_factory=list)
     reached_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    tree_steps: int = 0  # drafting steps that verified a token tree (their drafts count in proposed_tokens)
+    accepted_path_lengths: list[int] = field(default_factory=list)  # tree steps by accepted path length
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -106,6 +108,16 @@ class RequestMetrics:
             self.proposed_tokens += k
             for i in range(k):
                 self._bump("proposed_per_position", i, 1)
+
+    def count_tree(self, num_nodes: int, max_depth: int, path_length: int) -> None:
+        """A token tree step: num_nodes drafts proposed over max_depth depths (per position = per depth), and the
+        length of the accepted path."""
+        self.num_drafts += 1
+        self.proposed_tokens += num_nodes
+        self.tree_steps += 1
+        for depth in range(max_depth):
+            self._bump("proposed_per_position", depth, 1)
+        self._bump("accepted_path_lengths", path_length, 1)
 
     def count_emitted(self, code: int, delta: int = 1) -> None:
         """Count (delta=1) or uncount (delta=-1) one output token of the given provenance."""

@@ -8,13 +8,10 @@ every draft is accepted. `StepBatch` names that layout once, with the shapes wri
 vLLM's SpecDecodeMetadata does, so that the engine and the acceptance rules in verify.py index the same rows.
 
 Token trees (issue 25) extend it without changing what chains see. A tree of k_i nodes is still k_i flat
-draft tokens and k_i + 1 rows (the root row, then one row per node, each scoring that node's children); it adds
-one field, next to draft_token_ids below:
-
-    parent_index: torch.Tensor  # [num_draft_tokens] each node's parent within its sequence (-1: the root)
-
-A chain is parent_index = j - 1: the row scoring node j is its parent's row, lo + 1 + parent_index[j], which
-for a chain is lo + j. The tree rules in verify.py walk parents where the chain rules take prefixes.
+draft tokens and k_i + 1 rows (the root row, then one row per node in node order, each scoring that node's
+children); `trees[i]` is then its quickdraft.token_tree.TokenTree (parents, depths, how children were chosen):
+the row scoring node j is its parent's row, lo + tree.parent_rows[j], which for a chain is lo + j. The tree
+rules (verify_tree.py) walk parents where the chain rules take prefixes.
 """
 
 from __future__ import annotations
@@ -24,6 +21,8 @@ from itertools import accumulate
 
 import torch
 
+from quickdraft.token_tree import TokenTree
+
 __all__ = ["StepBatch"]
 
 
@@ -32,21 +31,28 @@ class StepBatch:
     """The drafts of one step's sequences, flat, with their offsets and their rows in the target's logits."""
 
     draft_token_ids: torch.Tensor  # [num_draft_tokens] every sequence's drafts, in batch order (long)
-    # Token trees add `parent_index  # [num_draft_tokens]` here (see the module doc); chains need none.
     num_draft_tokens: list[int]  # [batch] k_i
     cu_num_draft_tokens: list[int]  # [batch + 1] sequence i's drafts: draft_token_ids[cu[i]:cu[i + 1]]
     cu_num_rows: list[int]  # [batch + 1] sequence i's rows of the logits [num_rows, vocab]: cu[i]:cu[i + 1]
     # [batch] entries [k_i, vocab]: the processed distributions the drafts were drawn from, or None where the
     # draft is deterministic (a lookup, or any draft under greedy decoding: verification takes q one-hot).
     draft_probs: list[torch.Tensor | None]
+    # [batch] None for a chain, else the sequence's token tree over its k_i drafts (node order; see the module doc).
+    trees: list[TokenTree | None]
 
     @staticmethod
-    def build(drafts: list[torch.Tensor], draft_probs: list[torch.Tensor | None]) -> "StepBatch":
+    def build(drafts: list[torch.Tensor], draft_probs: list[torch.Tensor | None],
+              trees: list[TokenTree | None] | None = None) -> "StepBatch":
         """From each sequence's draft tokens [k_i] (a 0-d or empty tensor for none) and its proposal's draft
         probabilities ([>= k_i, vocab]: a proposal may have drafted more than the step keeps, cut here to k_i)
-        or None."""
+        or None, and its token tree or None (a chain; trees None: all chains)."""
         if len(drafts) != len(draft_probs):
             raise ValueError(f"StepBatch.build: {len(drafts)} drafts but {len(draft_probs)} draft probabilities")
+        trees = [None] * len(drafts) if trees is None else list(trees)
+        for i, (d, tree) in enumerate(zip(drafts, trees)):
+            if tree is not None and tree.num_nodes != int(d.numel()):
+                raise ValueError(f"StepBatch.build: sequence {i}'s tree has {tree.num_nodes} nodes but {int(d.numel())} "
+                                 "draft tokens")
         if not drafts:
             raise ValueError("StepBatch.build: a step verifies at least one sequence")
         ks = [int(d.numel()) for d in drafts]
@@ -61,6 +67,7 @@ class StepBatch:
             cu_num_draft_tokens=cu_drafts,
             cu_num_rows=[c + i for i, c in enumerate(cu_drafts)],  # k_i + 1 rows each
             draft_probs=probs,
+            trees=trees,
         )
 
     @property

@@ -263,6 +263,22 @@ class TokenTree:
         moved = kept != torch.arange(kept.numel())
         return KVCompaction(kept, kept[moved], torch.arange(kept.numel())[moved])
 
+    def subtree(self, nodes: Sequence[int]) -> TokenTree:
+        """The tree of `nodes` (node indices, each node's parent among them or the root), renumbered in node
+        order, with their tokens and selection modes: a pruned tree (the engine's node budget). A node's children
+        keep their trial order, so the rule for how they were chosen still holds for the ones kept only when they
+        are a prefix of that order (DETERMINISTIC children are exact whatever is kept)."""
+        nodes = sorted(int(n) for n in nodes)
+        index = {n: i for i, n in enumerate(nodes)}
+        parents = []
+        for n in nodes:
+            parent = self._parent_list[n]
+            if parent >= 0 and parent not in index:
+                raise ValueError(f"subtree: node {n} is kept but its parent {parent} is not")
+            parents.append(-1 if parent < 0 else index[parent])
+        picked = torch.tensor(nodes, dtype=torch.long, device=self.tokens.device)
+        return TokenTree(self.tokens.index_select(-1, picked), parents, self.selection[picked].tolist())
+
     def to(self, device: torch.device | str) -> TokenTree:
         """The same tree with its tensors on `device`."""
         tree = TokenTree.__new__(TokenTree)

@@ -4,6 +4,7 @@ import pytest
 
 from conftest import tiny_llama
 from quickdraft import LLM, SamplingParams
+from quickdraft import adaptive
 from quickdraft.adaptive import AcceptanceStats, StepCosts, choose_k
 
 
@@ -237,3 +238,40 @@ def test_expected_tokens_and_choices_are_the_same_to_the_last_bit():
     chosen = [choose_batch_k(requests, caps, 6, costs, model_draft) for caps in ([4] * 6, [8, 2, 0, 5, 3, 1])
               for costs, model_draft in ((lookup, False), (model, True))]
     assert chosen == [[1, 2, 4, 2, 3, 4], [1, 2, 2, 2, 2, 1], [1, 2, 0, 2, 3, 1], [1, 2, 0, 2, 2, 1]]
+
+
+# --- token trees ("tree": "auto") --------------------------------------------------------------------------------
+def _tree_costs(per_row: float, draft_per_forward: float = 0.0) -> "adaptive.BatchCosts":
+    costs = adaptive.BatchCosts()
+    for rows in range(1, 40):
+        costs.record(rows, 1.0 + per_row * (rows - 1), 1, 0, draft_per_forward)  # a lookup draft
+    return costs
+
+
+def test_choose_tree_nodes_keeps_whole_trees_until_costs_are_measured():
+    assert adaptive.choose_tree_nodes([[0.9, 0.5], [0.2]], [[1, 2], [1]], 2, adaptive.BatchCosts(), True) == [2, 1]
+
+
+def test_choose_tree_nodes_prices_rows_against_chances():
+    chances = [[0.9, 0.6, 0.3, 0.05, 0.01]]
+    depths = [[1, 2, 1, 3, 2]]
+    # Rows nearly free: every node whose chance is above the cost of one more row pays.
+    assert adaptive.choose_tree_nodes(chances, depths, 1, _tree_costs(0.001), False) == [5]
+    # A row costs 10% of a step: a node pays while its chance beats the marginal cost (0.05 and 0.01 do not).
+    assert adaptive.choose_tree_nodes(chances, depths, 1, _tree_costs(0.1), False) == [3]
+    # Rows as dear as a whole step: no tree at all.
+    assert adaptive.choose_tree_nodes(chances, depths, 1, _tree_costs(1.5), False) == [0]
+
+
+def test_choose_tree_nodes_takes_the_best_nodes_of_the_batch_first():
+    chances = [[0.9, 0.1], [0.8, 0.7, 0.02]]
+    depths = [[1, 2], [1, 2, 3]]
+    assert adaptive.choose_tree_nodes(chances, depths, 2, _tree_costs(0.05), False) == [1, 2]
+
+
+def test_tree_calibration_moves_toward_the_accepted_share():
+    calibration = adaptive.TreeCalibration()
+    assert calibration.factor == 1.0
+    for _ in range(40):
+        calibration.update(predicted=4.0, accepted=2)
+    assert calibration.factor == pytest.approx(0.5, abs=0.01)

@@ -122,3 +122,12 @@ def test_bad_trees_get_clear_errors():
         TokenTree.from_parents([1, 2, 3], [-1, 0])
     with pytest.raises(ValueError, match="integer ids"):
         TokenTree(torch.tensor([1.0]), [-1], [DET])
+
+
+def test_subtree_renumbers_parents_and_refuses_an_orphan():
+    tree = TokenTree.from_parents(torch.tensor([10, 11, 12, 13, 14]), [-1, -1, 0, 2, 1])
+    sub = tree.subtree([0, 2, 3])
+    assert sub.tokens.tolist() == [10, 12, 13] and sub.parents.tolist() == [-1, 0, 1]
+    assert tree.subtree([1, 4]).parents.tolist() == [-1, 0]
+    with pytest.raises(ValueError, match="parent"):
+        tree.subtree([0, 3])

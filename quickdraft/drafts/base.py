@@ -162,6 +162,17 @@ class Proposal:
     probs: torch.Tensor | None = None
     catch_up: int = 0
     tree: "TokenTree | None" = None
+    # [N] the proposer's estimate, per tree node, of the chance that the accepted path passes through it (the
+    # product of draft probabilities along its path: EAGLE-2's confidence), never above its parent's; None where
+    # it has none. What "tree": "auto" sizes a tree by (adaptive.choose_tree_nodes).
+    scores: torch.Tensor | None = None
+
+    def pruned(self, nodes: list[int]) -> "Proposal":
+        """The proposal of a tree cut down to `nodes` (ascending, closed under parents; TokenTree.subtree)."""
+        index = torch.tensor(nodes, dtype=torch.long, device=self.tokens.device)
+        tree = self.tree.subtree(nodes)
+        return Proposal(tree.tokens, None if self.probs is None else self.probs[index.to(self.probs.device)],
+                        self.catch_up, tree, None if self.scores is None else self.scores[index.to(self.scores.device)])
 
     @staticmethod
     def empty(device: torch.device) -> "Proposal":

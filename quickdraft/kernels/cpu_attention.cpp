@@ -17,6 +17,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -101,15 +102,18 @@ void scores(int64_t mr, const c10::BFloat16* q, int64_t ldq, const c10::BFloat16
 
 // out[m, c0 .. c0 + 16 NC) = sum over keys j in [lo, hi] of p[m][j] v[j] (p already divided by its total), for
 // MR rows that see the same keys.
+// A token tree's row sees its keys j < base at slot j and j >= base at slot path[j - base] (its ancestors and
+// itself, by position): the same sum over the same values in the same order as the path's tokens in a line.
 template <int MR, int NC>
 inline void weighted_values(const float* p, int64_t ldp, const c10::BFloat16* v, int64_t d, int64_t lo, int64_t hi,
-                            int64_t c0, c10::BFloat16* out, int64_t ldo) {
+                            int64_t c0, c10::BFloat16* out, int64_t ldo, int64_t base, const int64_t* path) {
   __m512 acc[MR][NC];
   for (int m = 0; m < MR; ++m)
     for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_setzero_ps();
   for (int64_t j = lo; j <= hi; ++j) {
+    const int64_t slot = j < base ? j : path[j - base];
     __m512 vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = load16(v + j * d + c0 + 16 * c);
+    for (int c = 0; c < NC; ++c) vv[c] = load16(v + slot * d + c0 + 16 * c);
     for (int m = 0; m < MR; ++m) {
       const __m512 w = _mm512_set1_ps(p[m * ldp + j]);
       for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_fmadd_ps(w, vv[c], acc[m][c]);
@@ -122,35 +126,79 @@ inline void weighted_values(const float* p, int64_t ldp, const c10::BFloat16* v,
 
 template <int MR>
 void weighted_values_rows(const float* p, int64_t ldp, const c10::BFloat16* v, int64_t d, int64_t lo, int64_t hi,
-                          c10::BFloat16* out, int64_t ldo) {
+                          c10::BFloat16* out, int64_t ldo, int64_t base, const int64_t* path) {
   int64_t c0 = 0;
-  for (; c0 + 64 <= d; c0 += 64) weighted_values<MR, 4>(p, ldp, v, d, lo, hi, c0, out, ldo);
+  for (; c0 + 64 <= d; c0 += 64) weighted_values<MR, 4>(p, ldp, v, d, lo, hi, c0, out, ldo, base, path);
   switch ((d - c0) / 16) {
-    case 3: return weighted_values<MR, 3>(p, ldp, v, d, lo, hi, c0, out, ldo);
-    case 2: return weighted_values<MR, 2>(p, ldp, v, d, lo, hi, c0, out, ldo);
-    case 1: return weighted_values<MR, 1>(p, ldp, v, d, lo, hi, c0, out, ldo);
+    case 3: return weighted_values<MR, 3>(p, ldp, v, d, lo, hi, c0, out, ldo, base, path);
+    case 2: return weighted_values<MR, 2>(p, ldp, v, d, lo, hi, c0, out, ldo, base, path);
+    case 1: return weighted_values<MR, 1>(p, ldp, v, d, lo, hi, c0, out, ldo, base, path);
     default: return;
   }
 }
 
 void weighted(int64_t mr, const float* p, int64_t ldp, const c10::BFloat16* v, int64_t d, int64_t lo, int64_t hi,
-              c10::BFloat16* out, int64_t ldo) {
+              c10::BFloat16* out, int64_t ldo, int64_t base, const int64_t* path) {
   switch (mr) {
-    case 1: return weighted_values_rows<1>(p, ldp, v, d, lo, hi, out, ldo);
-    case 2: return weighted_values_rows<2>(p, ldp, v, d, lo, hi, out, ldo);
-    case 3: return weighted_values_rows<3>(p, ldp, v, d, lo, hi, out, ldo);
-    default: return weighted_values_rows<4>(p, ldp, v, d, lo, hi, out, ldo);
+    case 1: return weighted_values_rows<1>(p, ldp, v, d, lo, hi, out, ldo, base, path);
+    case 2: return weighted_values_rows<2>(p, ldp, v, d, lo, hi, out, ldo, base, path);
+    case 3: return weighted_values_rows<3>(p, ldp, v, d, lo, hi, out, ldo, base, path);
+    default: return weighted_values_rows<4>(p, ldp, v, d, lo, hi, out, ldo, base, path);
   }
 }
 
 // A run of consecutive rows of a call that belong to one sequence: `rows` tokens from row `offset`, at
 // positions start.., over that sequence's caches of one layer (keys packed [Hkv, cap/16, d/2, 16, 2], values
 // [Hkv, cap, d]); their rotary rows are rows rope_row.. of cos and sin.
+//
+// A segment whose rows form a token tree (models.base.TreeAttention) has tree_base > 0: its row r (slot
+// start + r) sits at position position[r] and, from tree_base on, sees the slots path[path_at[r] ..
+// path_at[r + 1]) (its ancestors in the tree and itself, by depth) after the prefix [0, tree_base).
 struct Segment {
   c10::BFloat16* keys;
   c10::BFloat16* values;
   int64_t cap, start, rows, offset, rope_row;
+  int64_t tree_base = 0;
+  const int64_t* position = nullptr;  // [rows]
+  const int64_t* path_at = nullptr;  // [rows + 1]
+  const int64_t* path = nullptr;
+
+  int64_t position_of(int64_t r) const { return position ? position[r] : start + r; }
+  bool in_tree(int64_t r) const { return position && start + r >= tree_base; }
 };
+
+// The positions and paths of a tree segment's rows, kept alive beside the segments that point into them.
+struct TreeRows {
+  std::vector<int64_t> position, path_at, path;
+};
+
+// Fill `tree` for segment `seg` from the parent slot of every tree slot [base, start + rows) (parents [end -
+// base], base - 1 for a child of the root), checked, and point the segment at it.
+void tree_rows(const char* what, Segment& seg, int64_t base, const torch::Tensor& parents, TreeRows& tree) {
+  const int64_t end = seg.start + seg.rows;
+  TORCH_CHECK(parents.scalar_type() == at::kLong && parents.is_contiguous() && parents.dim() == 1 &&
+              parents.device().is_cpu(), what, ": tree parents must be a contiguous int64 CPU tensor");
+  TORCH_CHECK(1 <= base && base <= end && parents.numel() == end - base, what, ": a tree from slot ", base,
+              " to the call's end ", end, " needs ", end - base, " parents, got ", parents.numel());
+  const int64_t* parent = parents.data_ptr<int64_t>();
+  for (int64_t i = 0; i < end - base; ++i)
+    TORCH_CHECK(parent[i] == base - 1 || (base <= parent[i] && parent[i] < base + i), what, ": tree slot ", base + i,
+                " has parent ", parent[i], "; it must be ", base - 1, " or an earlier tree slot");
+  tree.position.resize(seg.rows);
+  tree.path_at.assign(1, 0);
+  for (int64_t r = 0; r < seg.rows; ++r) {
+    const int64_t slot = seg.start + r;
+    const size_t first = tree.path.size();
+    for (int64_t x = slot; x >= base; x = parent[x - base]) tree.path.push_back(x);
+    std::reverse(tree.path.begin() + first, tree.path.end());  // root's child first
+    tree.position[r] = slot < base ? slot : base + static_cast<int64_t>(tree.path.size() - first) - 1;
+    tree.path_at.push_back(static_cast<int64_t>(tree.path.size()));
+  }
+  seg.tree_base = base;
+  seg.position = tree.position.data();
+  seg.path_at = tree.path_at.data();
+  seg.path = tree.path.data();
+}
 
 // The segment of each row of a call of n rows (segments cover the rows in order).
 std::vector<int64_t> segment_of_rows(const std::vector<Segment>& segments, int64_t n) {
@@ -161,10 +209,13 @@ std::vector<int64_t> segment_of_rows(const std::vector<Segment>& segments, int64
 }
 
 // The segments of a call over several sequences (see attention_segments), checked.
+// tree_bases / tree_parents: empty (no trees), or one per sequence: 0 and an empty tensor for causal rows, or
+// a tree's base slot and the parent slot of each of its slots (see tree_rows), whose rows go to `trees`.
 std::vector<Segment> cache_segments(const char* what, const std::vector<torch::Tensor>& keys,
                                     const std::vector<torch::Tensor>& values, int64_t layer,
                                     const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t n,
-                                    int64_t d, int64_t* h_kv) {
+                                    int64_t d, int64_t* h_kv, const std::vector<int64_t>& tree_bases,
+                                    const std::vector<torch::Tensor>& tree_parents, std::vector<TreeRows>& trees) {
   const size_t count = starts.size();
   TORCH_CHECK(keys.size() == count && values.size() == count && rows.size() == count && count > 0, what,
               ": one cache pair, start and row count per sequence");
@@ -191,18 +242,30 @@ std::vector<Segment> cache_segments(const char* what, const std::vector<torch::T
     offset += rows[s];
   }
   TORCH_CHECK(offset == n, what, ": the row counts add up to ", offset, ", not to the ", n, " rows given");
+  TORCH_CHECK(tree_bases.size() == tree_parents.size() && (tree_bases.empty() || tree_bases.size() == count), what,
+              ": tree bases and parents for every sequence, or for none");
+  trees.resize(tree_bases.size());  // sized once: the segments point into its vectors
+  for (size_t s = 0; s < tree_bases.size(); ++s)
+    if (tree_bases[s] > 0) tree_rows(what, segments[s], tree_bases[s], tree_parents[s], trees[s]);
   return segments;
 }
 
 // One token's queries of one kv head (q_row + h d for the group's heads h) at position pos, over the keys j
 // in (pos - window, pos] (window 0: all) of that head; the result goes to out_row + h d. The only code path
 // of attention, whatever the call: a token's result depends on nothing else in it.
+//
+// A token tree's row (path non-null: its tree slots by depth, the last its own) sees the slots j < base, then
+// path[t] at position base + t: its scores are computed at their slots and moved to their positions, so the
+// softmax and the weighted sum run over the same numbers in the same lanes and order as for the path's tokens
+// in a line (a key's score does not depend on its lane).
 void attend(const c10::BFloat16* q_row, int64_t group, int64_t kv, const c10::BFloat16* keys,
             const c10::BFloat16* values, int64_t cap, int64_t d, int64_t pos, int64_t window, float s,
-            c10::BFloat16* out_row, std::vector<float>& buffer) {
+            c10::BFloat16* out_row, std::vector<float>& buffer, int64_t base = 0, const int64_t* path = nullptr) {
   const int64_t half_d = d / 2;
   const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-  const int64_t b0 = lo / 16, b1 = pos / 16 + 1, width = (b1 - b0) * 16;
+  const int64_t depth = path ? pos - base + 1 : 0;  // path length
+  // Blocks of keys scored: up to the position's block (a line), or to the row's own slot's (a tree).
+  const int64_t b0 = lo / 16, b1 = (path ? std::max(pos, path[depth - 1]) : pos) / 16 + 1, width = (b1 - b0) * 16;
   const c10::BFloat16* kbase = keys + kv * cap * d;
   const c10::BFloat16* vbase = values + kv * cap * d;
   for (int64_t g0 = 0; g0 < group; g0 += 4) {
@@ -211,6 +274,11 @@ void attend(const c10::BFloat16* q_row, int64_t group, int64_t kv, const c10::BF
     buffer.resize(rows * width);
     float* sc = buffer.data();
     scores(rows, q_row + h0 * d, d, kbase, half_d, b0, b1, s, sc, width);
+    if (path) {  // slot path[t] -> position base + t; path[t] >= base + t, so ascending t reads before it writes
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t t = std::max<int64_t>(0, lo - base); t < depth; ++t)
+          sc[m * width + base + t - b0 * 16] = sc[m * width + path[t] - b0 * 16];
+    }
     // Softmax over [lo, pos] of each row: 16 lanes at a time from lo, in the same order for any n.
     const int64_t first = lo - b0 * 16, count = pos - lo + 1;
     for (int64_t m = 0; m < rows; ++m) {
@@ -233,7 +301,7 @@ void attend(const c10::BFloat16* q_row, int64_t group, int64_t kv, const c10::BF
       }
     }
     // Probabilities are indexed from b0 * 16; the keys they weight are [lo, pos].
-    weighted(rows, sc - b0 * 16, width, vbase, d, lo, pos, out_row + h0 * d, d);
+    weighted(rows, sc - b0 * 16, width, vbase, d, lo, pos, out_row + h0 * d, d, path ? base : pos + 1, path);
   }
 }
 
@@ -252,8 +320,10 @@ torch::Tensor attention_rows(const torch::Tensor& q, int64_t num_q_heads, int64_
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / h_kv, kv = task % h_kv;
       const Segment& seg = segments[owner[i]];
-      attend(qp + i * q_stride, group, kv, seg.keys, seg.values, seg.cap, d, seg.start + i - seg.offset, window, s,
-             op + i * num_q_heads * d, buffer);
+      const int64_t r = i - seg.offset;
+      const bool tree = seg.in_tree(r);
+      attend(qp + i * q_stride, group, kv, seg.keys, seg.values, seg.cap, d, seg.position_of(r), window, s,
+             op + i * num_q_heads * d, buffer, tree ? seg.tree_base : 0, tree ? seg.path + seg.path_at[r] : nullptr);
     }
   });
   return out;
@@ -283,18 +353,21 @@ torch::Tensor attention(const torch::Tensor& q, int64_t num_q_heads, const torch
 // The attention of one layer for a call over several sequences: q [n, >=Hq, d] holds rows[s] queries of
 // sequence s after those of sequences < s, at positions starts[s].., over keys[s] [layers, Hkv, cap/16, d/2,
 // 16, 2] and values[s] [layers, Hkv, cap, d] at `layer`. Each row is computed exactly as `attention` computes
-// it for its sequence alone (the same code per token), in one parallel loop over all rows.
+// it for its sequence alone (the same code per token), in one parallel loop over all rows. tree_bases and
+// tree_parents (empty, or one per sequence; see cache_segments) make a sequence's rows a token tree.
 torch::Tensor attention_segments(const torch::Tensor& q, int64_t num_q_heads, const std::vector<torch::Tensor>& keys,
                                  const std::vector<torch::Tensor>& values, int64_t layer,
                                  const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t window,
-                                 double scale) {
+                                 double scale, const std::vector<int64_t>& tree_bases,
+                                 const std::vector<torch::Tensor>& tree_parents) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16, "attention_segments: bf16 q expected");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "attention_segments: q must be [n, H, d] with d contiguous");
   const int64_t d = q.size(2);
   int64_t h_kv = 0;
+  std::vector<TreeRows> trees;
   const std::vector<Segment> segments = cache_segments("attention_segments", keys, values, layer, starts, rows,
-                                                       q.size(0), d, &h_kv);
+                                                       q.size(0), d, &h_kv, tree_bases, tree_parents, trees);
   TORCH_CHECK(d % 16 == 0 && h_kv > 0 && num_q_heads % h_kv == 0, "attention_segments: bad heads or head_dim");
   return attention_rows(q, num_q_heads, h_kv, segments, window, scale);
 }
@@ -358,7 +431,8 @@ torch::Tensor rope_rows(const torch::Tensor& qkv, int64_t num_q_heads, int64_t h
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / (heads + h_kv), h = task % (heads + h_kv);
       const Segment& seg = segments[owner[i]];
-      const int64_t p = seg.start + i - seg.offset;  // the token's position
+      const int64_t p = seg.start + i - seg.offset;  // the token's slot in the cache
+      const int64_t rope = seg.position ? seg.position[i - seg.offset] : seg.rope_row + i - seg.offset;
       const int64_t cap = seg.cap;
       const c10::BFloat16* row = src + i * (heads + h_kv) * d + h * d;
       if (h >= heads) {  // a value head: copied to the cache as is
@@ -373,8 +447,8 @@ torch::Tensor rope_rows(const torch::Tensor& qkv, int64_t num_q_heads, int64_t h
         // Rounded to bf16 after the weight, as the model's norm does before rope.
         for (int64_t c = 0; c < d; ++c) x[c] = static_cast<float>(c10::BFloat16(x[c] * inv * wp[h * d + c]));
       }
-      const c10::BFloat16* cr = cp + (seg.rope_row + i - seg.offset) * d;
-      const c10::BFloat16* sr = sp + (seg.rope_row + i - seg.offset) * d;
+      const c10::BFloat16* cr = cp + rope * d;  // the rotary rows of its position
+      const c10::BFloat16* sr = sp + rope * d;
       c10::BFloat16* dst = h < num_q_heads ? qp + (i * num_q_heads + h) * d : roped.data();
       for (int64_t c = 0; c < d; ++c) {
         const float rotated = x[c < half ? c + half : c - half];
@@ -430,17 +504,20 @@ torch::Tensor rope_and_cache(const torch::Tensor& qkv, int64_t num_q_heads, cons
 // rope_and_cache of one layer for a call over several sequences: qkv holds rows[s] tokens of sequence s after
 // those of sequences < s, at positions starts[s].., written to keys[s] [layers, Hkv, cap/16, d/2, 16, 2] and
 // values[s] [layers, Hkv, cap, d] at `layer`. cos and sin are whole tables [>= every end, d], indexed by
-// position. Each row is computed exactly as rope_and_cache computes it for its sequence alone.
+// position. Each row is computed exactly as rope_and_cache computes it for its sequence alone. With trees
+// (see cache_segments) a tree row is written at its slot and roped at its position (base + depth - 1).
 torch::Tensor rope_and_cache_segments(const torch::Tensor& qkv, int64_t num_q_heads, const torch::Tensor& qk_norm,
                                       double eps, const torch::Tensor& cos, const torch::Tensor& sin,
                                       const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
                                       int64_t layer, const std::vector<int64_t>& starts,
-                                      const std::vector<int64_t>& rows) {
+                                      const std::vector<int64_t>& rows, const std::vector<int64_t>& tree_bases,
+                                      const std::vector<torch::Tensor>& tree_parents) {
   TORCH_CHECK(!values.empty() && values[0].dim() == 4, "rope_and_cache_segments: values [layers, Hkv, cap, d]");
   const int64_t d = values[0].size(3);
   int64_t h_kv = 0;
+  std::vector<TreeRows> trees;
   const std::vector<Segment> segments = cache_segments("rope_and_cache_segments", keys, values, layer, starts, rows,
-                                                       qkv.size(0), d, &h_kv);
+                                                       qkv.size(0), d, &h_kv, tree_bases, tree_parents, trees);
   check_rope_inputs("rope_and_cache_segments", qkv, qk_norm, cos, sin, num_q_heads, h_kv, d);
   for (const Segment& seg : segments)
     TORCH_CHECK(seg.rope_row + seg.rows <= cos.size(0), "rope_and_cache_segments: cos/sin tables end at ",

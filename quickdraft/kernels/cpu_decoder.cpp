@@ -32,12 +32,14 @@ torch::Tensor gated_activation(const torch::Tensor& gate_up, bool gelu_tanh);
 torch::Tensor attention_segments(const torch::Tensor& q, int64_t num_q_heads, const std::vector<torch::Tensor>& keys,
                                  const std::vector<torch::Tensor>& values, int64_t layer,
                                  const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t window,
-                                 double scale);
+                                 double scale, const std::vector<int64_t>& tree_bases,
+                                 const std::vector<torch::Tensor>& tree_parents);
 torch::Tensor rope_and_cache_segments(const torch::Tensor& qkv, int64_t num_q_heads, const torch::Tensor& qk_norm,
                                       double eps, const torch::Tensor& cos, const torch::Tensor& sin,
                                       const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
                                       int64_t layer, const std::vector<int64_t>& starts,
-                                      const std::vector<int64_t>& rows);
+                                      const std::vector<int64_t>& rows, const std::vector<int64_t>& tree_bases,
+                                      const std::vector<torch::Tensor>& tree_parents);
 
 namespace {
 
@@ -114,11 +116,13 @@ class Decoder {
   // layer for the whole batch); rotary embedding, the cache write and attention run on each row in its own
   // sequence. Every kernel computes a row alike whatever the other rows, so row for row the result is
   // bitwise that of `forward` for each sequence alone (int8 linear layers: below 32 rows in all, see
-  // cpu_linear.cpp).
+  // cpu_linear.cpp). tree_bases / tree_parents: empty, or per sequence a token tree's base slot (0: none) and
+  // the parent slot of each of its slots (see cpu_attention.cpp's cache_segments).
   torch::Tensor forward_batch(torch::Tensor x, const std::vector<torch::Tensor>& keys,
                               const std::vector<torch::Tensor>& values, const std::vector<int64_t>& starts,
                               const std::vector<int64_t>& rows, const std::vector<torch::Tensor>& cos,
-                              const std::vector<torch::Tensor>& sin) const {
+                              const std::vector<torch::Tensor>& sin, const std::vector<int64_t>& tree_bases,
+                              const std::vector<torch::Tensor>& tree_parents) const {
     TORCH_CHECK(x.is_contiguous() && x.dim() == 2, "Decoder.forward_batch: contiguous [n, hidden] x");
     for (size_t s = 0; s < keys.size(); ++s)
       TORCH_CHECK(keys[s].size(0) == static_cast<int64_t>(layers_.size()) && values.size() == keys.size() &&
@@ -127,8 +131,10 @@ class Decoder {
     return run(x, [&](size_t index, const Layer& layer, const torch::Tensor& qkv) {
       const int64_t i = static_cast<int64_t>(index);
       torch::Tensor q = rope_and_cache_segments(qkv, num_q_heads_, layer.qk_norm, eps_, cos[layer.rope],
-                                                sin[layer.rope], keys, values, i, starts, rows);
-      return attention_segments(q, num_q_heads_, keys, values, i, starts, rows, layer.window, scale_);
+                                                sin[layer.rope], keys, values, i, starts, rows, tree_bases,
+                                                tree_parents);
+      return attention_segments(q, num_q_heads_, keys, values, i, starts, rows, layer.window, scale_, tree_bases,
+                                tree_parents);
     });
   }
 
@@ -174,9 +180,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "causal (optionally sliding-window) attention of a decoding step, packed keys");
   m.def("rms_norm", &rms_norm, "RMSNorm, Llama or Gemma rounding");
   m.def("rope_and_cache", &rope_and_cache, "per-head norm, rotary embedding, and the KV cache write of a layer");
-  m.def("attention_segments", &attention_segments, "attention of one layer over the rows of several sequences");
+  m.def("attention_segments", &attention_segments, "attention of one layer over the rows of several sequences "
+        "(token trees: tree_bases and tree_parents per sequence)", py::arg("q"), py::arg("num_q_heads"),
+        py::arg("keys"), py::arg("values"), py::arg("layer"), py::arg("starts"), py::arg("rows"), py::arg("window"),
+        py::arg("scale"), py::arg("tree_bases") = std::vector<int64_t>(),
+        py::arg("tree_parents") = std::vector<torch::Tensor>());
   m.def("rope_and_cache_segments", &rope_and_cache_segments,
-        "rope_and_cache of one layer over the rows of several sequences, each into its own cache");
+        "rope_and_cache of one layer over the rows of several sequences, each into its own cache (token trees: "
+        "tree_bases and tree_parents per sequence)", py::arg("qkv"), py::arg("num_q_heads"), py::arg("qk_norm"),
+        py::arg("eps"), py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("layer"),
+        py::arg("starts"), py::arg("rows"), py::arg("tree_bases") = std::vector<int64_t>(),
+        py::arg("tree_parents") = std::vector<torch::Tensor>());
   m.def("gated_activation", &gated_activation, "act(gate) * up (SiLU or tanh GELU)");
   m.def("linear_bf16", &linear_bf16, "y = x w^T, bf16, batch-invariant (AMX tiles when use_amx and K % 32 == 0)");
   m.def("amx_available", &amx_available, "whether this process may use AMX tiles");
@@ -198,6 +212,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, double, double, bool, bool>())
       .def("add_layer", &Decoder::add_layer)
       .def("forward", &Decoder::forward)
-      .def("forward_batch", &Decoder::forward_batch)
+      .def("forward_batch", &Decoder::forward_batch, py::arg("x"), py::arg("keys"), py::arg("values"),
+           py::arg("starts"), py::arg("rows"), py::arg("cos"), py::arg("sin"),
+           py::arg("tree_bases") = std::vector<int64_t>(), py::arg("tree_parents") = std::vector<torch::Tensor>())
       .def_property_readonly("num_layers", &Decoder::num_layers);
 }

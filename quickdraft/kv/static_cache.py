@@ -119,8 +119,8 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
         self._token_ids = list(token_ids)
 
     def compact(self, first: int, kept: list[int]) -> None:
-        del self.block_digests[first // self.BLOCK:]  # blocks from `first` on change
-        super().compact(first, kept)
+        super().compact(first, kept)  # checks its arguments before it changes anything
+        del self.block_digests[first // self.BLOCK:]  # blocks from `first` on changed
 
     def _move_kv(self, src: list[int], dst: list[int]) -> None:
         s, d = torch.tensor(src, device=self.values.device), torch.tensor(dst, device=self.values.device)

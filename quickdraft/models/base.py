@@ -183,3 +183,31 @@ def check_batch(runner: Runner, caches: list, tokens: list, num_logits: list) ->
                                   f"{runner.max_len}{which}; shorten the prompt or max_tokens")
         flat.append(ids)
     return flat
+
+
+def check_tree(name: str, tree: TreeAttention, length: int, count: int, which: str = "") -> None:
+    """A QuickdraftError unless `tree` describes a forward that appends `count` rows to a cache of `length`
+    slots (its parents cover every tree slot up to the end of this call)."""
+    if not isinstance(tree, TreeAttention):
+        raise QuickdraftError(f"{name}: trees take a models.base.TreeAttention or None per sequence, got "
+                              f"{type(tree).__name__}{which}")
+    if tree.end != length + count:
+        raise QuickdraftError(f"{name}: a token tree ending at slot {tree.end} (base {tree.base}, "
+                              f"{len(tree.parents)} tree slots) for {count} new rows on a cache of {length}{which}; "
+                              f"its parents must cover every tree slot up to len(cache) + n = {length + count}")
+
+
+def check_trees(runner: Runner, caches: list, tokens: list[torch.Tensor],
+                trees: list[TreeAttention | None] | None) -> list[TreeAttention | None] | None:
+    """What a runner checks of forward_batch's trees before it changes any cache: one entry per sequence, each
+    None or a tree ending where the call does (check_tree). Returns the trees, or None when no sequence has one."""
+    if trees is None:
+        return None
+    if len(trees) != len(caches):
+        raise QuickdraftError(f"{runner.name}: forward_batch takes one tree (or None) per sequence; got {len(trees)} "
+                              f"for {len(caches)} sequences")
+    for i, (cache, ids, tree) in enumerate(zip(caches, tokens, trees)):
+        if tree is not None:
+            check_tree(runner.name, tree, len(cache), int(ids.shape[0]),
+                       f" (sequence {i} of the batch)" if len(caches) > 1 else "")
+    return trees if any(tree is not None for tree in trees) else None

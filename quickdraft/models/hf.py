@@ -1,6 +1,8 @@
 """The transformers runner: any transformers causal LM behind the Runner protocol (models/base.py), with an
 incremental DynamicCache per sequence, one model call per sequence (batch 1 behind the batched interface).
 Models the native runner (models/native.py) has no decoder for run here, and so do the transformers baselines.
+A token tree's rows (models.base.TreeAttention) go through the model's own attention as a 4-D additive mask and
+position ids (models/tree_mask.py), one mask per layer type where the layers' windows differ.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from torch import nn
 
 from quickdraft.cache import SequenceCache
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.base import check_batch
+from quickdraft.models.base import TreeAttention, check_batch, check_tree, check_trees
 from quickdraft.models.config import get_text_config
+from quickdraft.models.families import FAMILIES, sliding_window
+from quickdraft.models.tree_mask import tree_positions, tree_visibility
 
 
 class HFRunner:
@@ -107,19 +111,25 @@ class HFRunner:
 
     @torch.inference_mode()
     def forward(self, cache: SequenceCache, tokens: torch.Tensor, num_logits: int = 1,
-                return_hidden: bool = False):
+                return_hidden: bool = False, tree: TreeAttention | None = None):
         """Append `tokens` [n] at positions len(cache)... and return the logits of the last `num_logits`
         inputs, [num_logits, V] in float32. Row j is the next-token distribution after input n-num_logits+j.
-        return_hidden: (logits, hidden [n, hidden]), the final norm's output for every input row."""
+        return_hidden: (logits, hidden [n, hidden]), the final norm's output for every input row.
+        tree: the new rows form a token tree (models.base.TreeAttention, end len(cache) + n): they are written at
+        slots len(cache).. and attend and sit at the positions it says."""
         tokens = tokens.reshape(1, -1).to(self.device)
         if len(cache) + tokens.shape[1] > self.max_len:
             raise QuickdraftError(f"{self.name}: sequence of {len(cache) + tokens.shape[1]} tokens exceeds the "
                                   f"context of {self.max_len}; shorten the prompt or max_tokens")
+        inputs = {}
+        if tree is not None:
+            check_tree(self.name, tree, len(cache), tokens.shape[1])
+            inputs = self._tree_inputs(tree, len(cache))
         captured = []
         hook = self._final_norm().register_forward_hook(lambda m, i, o: captured.append(o)) if return_hidden else None
         try:
             out = self.model(input_ids=tokens, use_cache=True, logits_to_keep=num_logits,
-                             **{self._cache_kwarg: cache.kv})
+                             **{self._cache_kwarg: cache.kv}, **inputs)
         finally:
             if hook is not None:
                 hook.remove()
@@ -129,21 +139,85 @@ class HFRunner:
         return (logits, captured[-1][0]) if return_hidden else logits
 
     def forward_batch(self, caches: list[SequenceCache], tokens: list[torch.Tensor],
-                      num_logits: list[int], return_hidden: bool = False):
+                      num_logits: list[int], return_hidden: bool = False,
+                      trees: list[TreeAttention | None] | None = None):
         """forward over several sequences, as NativeRunner.forward_batch: sequence i appends tokens[i] [n_i]
         and gives the logits of its last num_logits[i] inputs; returns them concatenated in order,
         [sum(num_logits), V] float32 (with return_hidden, and every row's final hidden state [sum(n_i), hidden]).
+        trees: per sequence None or the TreeAttention its rows form (Runner.forward_batch).
         Here one model call per sequence (batch 1 behind the batched interface)."""
         flat = check_batch(self, caches, tokens, num_logits)
+        trees = self._check_trees(caches, flat, trees)  # before any cache changes
         parts, hiddens = [], []
-        for cache, ids, k in zip(caches, flat, num_logits):
-            out = self.forward(cache, ids, max(int(k), 1), return_hidden)  # transformers reads 0 as "all"
+        for cache, ids, k, tree in zip(caches, flat, num_logits, trees):
+            out = self.forward(cache, ids, max(int(k), 1), return_hidden, tree)  # transformers reads 0 as "all"
             logits = out[0] if return_hidden else out  # [max(k, 1), vocab]
             parts.append(logits[logits.shape[0] - int(k):])  # [k, vocab]
             if return_hidden:
                 hiddens.append(out[1])
         logits = torch.cat(parts)  # [sum(num_logits), vocab]
         return (logits, torch.cat(hiddens)) if return_hidden else logits
+
+    # --- token trees: a 4-D mask and positions, through the model's own attention ---
+    def _check_trees(self, caches: list[SequenceCache], flat: list[torch.Tensor],
+                     trees: list[TreeAttention | None] | None) -> list[TreeAttention | None]:
+        """forward_batch's trees, one per sequence (None: all causal), each checked against its cache."""
+        checked = check_trees(self, caches, flat, trees)
+        if checked is None:
+            return [None] * len(caches)
+        self._tree_layer_windows()
+        return list(checked)
+
+    def _tree_layer_windows(self) -> dict[str | None, int | None]:
+        """The attention window of each kind of layer as this model's masks apply it, for tree masks: {None: w}
+        when every layer has window w (one 4-D mask, which transformers' mask builders pass through as is), else
+        {layer type: w} (the models whose layers differ take a dict of masks keyed by config.layer_types).
+        Which layers slide is known for the native families (models/families.py, checked against transformers
+        by tests/models/test_families.py); another model type is taken only when nothing in it slides."""
+        config = self.text_config
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation not in ("eager", "sdpa"):
+            raise QuickdraftError(f"{self.name}: token trees on the transformers runner pass a 4-D attention mask, "
+                                  f"which attn_implementation={implementation!r} does not take; load the model "
+                                  "with 'sdpa' or 'eager' attention, or draft chains")
+        if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+            raise QuickdraftError(f"{self.name}: token trees need causal attention; this model attends "
+                                  "bidirectionally")
+        kind = getattr(config, "model_type", None)
+        family = FAMILIES.get(kind)
+        types = list(getattr(config, "layer_types", None) or ())
+        if family is None:
+            window = getattr(config, "sliding_window", None)
+            if window is not None or set(types) - {"full_attention"}:
+                raise QuickdraftError(f"{self.name}: token trees on the transformers runner know which layers of "
+                                      f"{', '.join(sorted(FAMILIES))} slide their attention window; {kind!r} with "
+                                      f"sliding_window={window!r} and layer types {sorted(set(types))} is not among "
+                                      "them: draft chains for it")
+            return {None: None}
+        windows = [sliding_window(family, config, i) for i in range(self.num_layers)]
+        if len(set(windows)) == 1:
+            return {None: windows[0]}
+        by_type: dict[str | None, int | None] = {}
+        for layer_type, window in zip(types, windows):  # windows differ only where layer_types mark them
+            if by_type.setdefault(layer_type, window) != window:
+                raise QuickdraftError(f"{self.name}: layers of type {layer_type!r} attend through different "
+                                      "windows; one tree mask per layer type cannot describe them: draft chains")
+        return by_type
+
+    def _tree_inputs(self, tree: TreeAttention, start: int) -> dict:
+        """The model's position_ids [1, n] and attention_mask (additive [1, 1, n, end] in the model's dtype: 0
+        where a row sees a slot, the dtype's minimum elsewhere; or such masks by layer type) for the rows of
+        slots start..tree.end - 1."""
+        positions = tree_positions(tree)[start:].to(self.device)[None]  # [1, n]
+        masks: dict[int | None, torch.Tensor] = {}  # by window
+        by_kind = {}
+        for kind, window in self._tree_layer_windows().items():
+            if window not in masks:
+                unseen = ~tree_visibility(tree, start, window).to(self.device)  # [n, end]
+                masks[window] = torch.zeros(unseen.shape, dtype=self.dtype, device=self.device).masked_fill_(
+                    unseen, torch.finfo(self.dtype).min)[None, None]  # [1, 1, n, end]
+            by_kind[kind] = masks[window]
+        return {"position_ids": positions, "attention_mask": by_kind[None] if None in by_kind else by_kind}
 
 
 def truncated_view(model: nn.Module, num_layers: int) -> nn.Module:

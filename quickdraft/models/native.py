@@ -33,12 +33,13 @@ from quickdraft import kernels
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels.quant import QuantizedWeight
 from quickdraft.kv.static_cache import StaticSequenceCache
-from quickdraft.models.base import QUANTIZATION_SCHEMES, check_batch
+from quickdraft.models.base import QUANTIZATION_SCHEMES, TreeAttention, check_batch, check_trees
 from quickdraft.models.config import get_text_config
 from quickdraft.models.families import FAMILIES, NO_ROPE, STATIC_ROPE_TYPES, FamilySettings, sliding_window, \
     unsupported_reason
 from quickdraft.models.gguf_weights import QuantizedWeights
 from quickdraft.models.linear import BlockLinear, Linear, blocks_fit, dense_linear, fused_bias
+from quickdraft.models.tree_mask import tree_positions, tree_visibility
 
 # (Linear and QUANTIZATION_SCHEMES, defined here before models/linear.py and models/base.py, import from here still.)
 
@@ -100,6 +101,16 @@ def _release(modules: list[nn.Module]) -> None:
 
 
 # --- the runner -----------------------------------------------------------------------------------------------
+
+def _kernel_trees(trees: list[TreeAttention | None] | None) -> tuple[list[int], list[torch.Tensor]]:
+    """The kernels' form of the trees (cpu_attention.cpp's cache_segments): per sequence its base slot (0: none)
+    and its parent slots as an int64 tensor; empty lists when no sequence has a tree."""
+    if trees is None:
+        return [], []
+    return ([0 if t is None else t.base for t in trees],
+            [torch.empty(0, dtype=torch.long) if t is None else torch.tensor(t.parents, dtype=torch.long)
+             for t in trees])
+
 
 def _rms_norm_llama(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Llama rounds the normalised activations to the model dtype before the weight multiplies them.
@@ -343,18 +354,22 @@ class NativeRunner:
         return (_rms_norm_gemma if gemma_style else _rms_norm_llama)(x, weight, self.eps)
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                   window: int | None, masks: dict) -> torch.Tensor:
-        """Torch attention of queries q [n, Hq, d] at positions start.. over keys/values [Hkv, end, d]."""
+                   window: int | None, masks: dict, tree: TreeAttention | None = None) -> torch.Tensor:
+        """Torch attention of queries q [n, Hq, d] at positions start.. over keys/values [Hkv, end, d]; with a
+        tree, the queries of slots start.. see what it says (models/tree_mask.py), the window by position."""
         n, h_q, d = q.shape
         h_kv, end = keys.shape[0], keys.shape[1]
         group = h_q // h_kv
         mask = masks.get(window)
         if mask is None:  # additive: 0 where a query may see a key, -inf elsewhere
-            q_pos = torch.arange(start, end, device=q.device)[:, None]
-            k_pos = torch.arange(end, device=q.device)[None, :]
-            allowed = k_pos <= q_pos
-            if window is not None:
-                allowed &= k_pos > q_pos - window
+            if tree is not None:
+                allowed = tree_visibility(tree, start, window).to(q.device)  # [n, end]
+            else:
+                q_pos = torch.arange(start, end, device=q.device)[:, None]
+                k_pos = torch.arange(end, device=q.device)[None, :]
+                allowed = k_pos <= q_pos
+                if window is not None:
+                    allowed &= k_pos > q_pos - window
             mask = masks[window] = torch.zeros(allowed.shape, device=q.device).masked_fill_(~allowed, float("-inf"))
         # Grouped-query attention without repeating keys: a kv head's queries are rows of one matmul.
         q = q.reshape(n, h_kv, group, d).permute(1, 2, 0, 3).reshape(h_kv, group * n, d)
@@ -364,11 +379,13 @@ class NativeRunner:
         return attn.view(h_kv, group, n, d).permute(2, 0, 1, 3).reshape(n, h_q * d)
 
     def _layers(self, x: torch.Tensor, caches: list[StaticSequenceCache], starts: list[int],
-                counts: list[int]) -> torch.Tensor:
+                counts: list[int], trees: list[TreeAttention | None] | None = None) -> torch.Tensor:
         """The decoder layers in Python: the kernels one by one where they apply, torch ops elsewhere.
-        x: [num_tokens, hidden], the counts[i] rows of sequence i (at positions starts[i]..) after those of the
+        x: [num_tokens, hidden], the counts[i] rows of sequence i (at slots starts[i]..) after those of the
         sequences before it. Linear layers, norms and the activation take all rows at once; the cache write and
-        attention run per sequence, on its own cache."""
+        attention run per sequence, on its own cache. trees: per sequence None (causal rows at positions equal
+        to their slots) or the TreeAttention its rows form (end starts[i] + counts[i], checked by the caller):
+        each row is roped at the tree's position for its slot and attends as the tree says."""
         n = x.shape[0]
         h_q, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         ends = [start + count for start, count in zip(starts, counts)]
@@ -379,15 +396,18 @@ class NativeRunner:
         ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         masks: list[dict[int | None, torch.Tensor]] = [{} for _ in caches]  # per sequence, per window
         fast = self._cpu_kernels
+        trees = trees or [None] * len(caches)
+        bases, parents = _kernel_trees(trees if any(tree is not None for tree in trees) else None)
+        # The rows of each sequence's positions in the rope tables: its slots, or its tree's positions.
+        rope_rows = [slice(start, end) if tree is None else tree_positions(tree)[start:].to(self.device)
+                     for start, end, tree in zip(starts, ends, trees)]
         norm = self._norm
         for index, layer in enumerate(self.layers):
             if layer.rope not in ropes:
                 cos, sin = self._rope(layer.rope, max(ends))
                 if fast is None:  # the rows of every token's position: [num_tokens, head_dim]
-                    cos = torch.cat([cos[start:end] for start, end in zip(starts, ends)]) if len(caches) > 1 \
-                        else cos[starts[0]:ends[0]]
-                    sin = torch.cat([sin[start:end] for start, end in zip(starts, ends)]) if len(caches) > 1 \
-                        else sin[starts[0]:ends[0]]
+                    cos = torch.cat([cos[rows] for rows in rope_rows]) if len(caches) > 1 else cos[rope_rows[0]]
+                    sin = torch.cat([sin[rows] for rows in rope_rows]) if len(caches) > 1 else sin[rope_rows[0]]
                 ropes[layer.rope] = (cos, sin)  # the kernels take whole tables, indexed by position
             cos_rows, sin_rows = ropes[layer.rope]
 
@@ -395,9 +415,10 @@ class NativeRunner:
             if fast is not None:
                 q = fast.rope_and_cache_segments(qkv, h_q, self._no_tensor if layer.qk_norm is None else layer.qk_norm,
                                                  self.eps, cos_rows, sin_rows, keys_list, values_list, index, starts,
-                                                 counts)  # [num_tokens, Hq, head_dim]
+                                                 counts, bases, parents)  # [num_tokens, Hq, head_dim]
                 attn = fast.attention_segments(q, h_q, keys_list, values_list, index, starts, counts,
-                                               layer.sliding_window or 0, self.scale)  # [num_tokens, Hq * head_dim]
+                                               layer.sliding_window or 0, self.scale, bases,
+                                               parents)  # [num_tokens, Hq * head_dim]
             else:
                 qk = qkv[:, : (h_q + h_kv) * d].view(n, h_q + h_kv, d)  # queries and keys, roped together
                 if layer.qk_norm is not None:
@@ -411,7 +432,7 @@ class NativeRunner:
                     keys[:, start:end] = qk[lo:hi, h_q:].transpose(0, 1)
                     values[:, start:end] = qkv[lo:hi, (h_q + h_kv) * d:].view(hi - lo, h_kv, d).transpose(0, 1)
                     parts.append(self._attention(qk[lo:hi, :h_q], keys[:, :end], values[:, :end], start,
-                                                 layer.sliding_window, masks[i]))
+                                                 layer.sliding_window, masks[i], trees[i]))
                 attn = parts[0] if len(parts) == 1 else torch.cat(parts)  # [num_tokens, Hq * head_dim]
             attn = layer.o(attn)
             if layer.post_attn_norm is not None:
@@ -461,7 +482,7 @@ class NativeRunner:
     @torch.inference_mode()
     def forward_batch(self, caches: list[StaticSequenceCache], tokens: list[torch.Tensor], num_logits: list[int],
                       use_decoder: bool = True, inputs_embeds: list[torch.Tensor] | None = None,
-                      return_hidden: bool = False):
+                      return_hidden: bool = False, trees: list[TreeAttention | None] | None = None):
         """One forward over several sequences (continuous batching): sequence i appends tokens[i] [n_i]
         (n_i >= 1) at positions len(caches[i]).., and the result is the float32 logits of the last
         num_logits[i] (0..n_i) inputs of each sequence, concatenated in order: [sum(num_logits), V].
@@ -475,8 +496,12 @@ class NativeRunner:
         inputs_embeds: the first layer's input rows [n_i, hidden] per sequence instead of the tokens' embeddings
         (an EAGLE head's fused features; the tokens are still what the caches record).
         return_hidden: also return every input row's final hidden state after the final norm (what the output
-        layer reads; EAGLE's features), [sum(n_i), hidden] in the model's dtype: (logits, hidden)."""
+        layer reads; EAGLE's features), [sum(n_i), hidden] in the model's dtype: (logits, hidden).
+        trees: per sequence None or a TreeAttention ending at len(cache) + n_i (models/base.py): its tree rows sit at
+        positions by depth and attend the prefix and their ancestors; on the CPU kernels a tree node's logits and
+        keys are bitwise those of its path's tokens fed in a line."""
         flat = check_batch(self, caches, tokens, num_logits)  # before any cache changes
+        trees = check_trees(self, caches, flat, trees)
         if inputs_embeds is not None and [int(e.shape[0]) for e in inputs_embeds] != [int(t.shape[0]) for t in flat]:
             raise QuickdraftError(f"{self.name}: inputs_embeds must give one row per token of each sequence")
         counts = [ids.shape[0] for ids in flat]
@@ -495,10 +520,12 @@ class NativeRunner:
         if decoder is not None:
             decoder, kinds = decoder
             tables = [self._rope(kind, max(ends)) for kind in kinds]  # whole tables, indexed by position
+            bases, parents = _kernel_trees(trees)
             x = decoder.forward_batch(x, [cache.keys for cache in caches], [cache.values for cache in caches],
-                                      starts, counts, [cos for cos, _ in tables], [sin for _, sin in tables])
+                                      starts, counts, [cos for cos, _ in tables], [sin for _, sin in tables],
+                                      bases, parents)
         else:
-            x = self._layers(x, caches, starts, counts)
+            x = self._layers(x, caches, starts, counts, trees)
 
         for cache, part in zip(caches, ids.split(counts) if len(caches) > 1 else (ids,)):
             cache.record(part)

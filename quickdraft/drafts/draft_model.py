@@ -236,9 +236,8 @@ class DraftModelProposer(Proposer):
         for j in grown:
             tree, state = trees[j], seqs[j].draft_state
             caches[j].rollback(tree.base)  # the committed history: the tree's slots are no path
-            tokens, parents = tree.proposal_nodes()
             state.tree_at, state.tree_depth = tree.base, max((tree.depth[n] for n in tree.best()), default=0)
-            out[j] = deterministic_tree_proposal(tokens, parents, seqs[j].device, catch_ups[j])
+            out[j] = deterministic_tree_proposal(*tree.proposal_nodes(), seqs[j].device, catch_ups[j])
         return out
 
     def _add_children(self, seq, tree: DynamicTree, nodes: list[int], logits: torch.Tensor) -> None:

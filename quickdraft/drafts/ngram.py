@@ -83,6 +83,6 @@ class NgramProposer(Proposer):
                 continue
             ids = np.asarray(seq.token_ids, dtype=np.int64)
             found = find_continuations(ids, self.min_n, self.max_n, budget.max_depth, MAX_OCCURRENCES)
-            tokens, parents = frequency_trie([c.tolist() for c in found], budget.max_nodes, budget.max_depth)
-            out.append(deterministic_tree_proposal(tokens, parents, seq.device))
+            trie = frequency_trie([c.tolist() for c in found], budget.max_nodes, budget.max_depth)
+            out.append(deterministic_tree_proposal(*trie, seq.device))
         return out

@@ -170,9 +170,9 @@ class SuffixProposer(Proposer):
             if budget.max_nodes <= 0 or not self._indexed(state, seq):
                 out.append(Proposal.empty(seq.device))
                 continue
-            tokens, parents = self.index.speculate_tree(state.doc, budget.max_nodes, budget.max_depth, self.max_spec_factor,
-                                                        self.min_token_prob, self.unseen_prior)
-            out.append(deterministic_tree_proposal(tokens, parents, seq.device))
+            tree = self.index.speculate_tree(state.doc, budget.max_nodes, budget.max_depth, self.max_spec_factor,
+                                             self.min_token_prob, self.unseen_prior)
+            out.append(deterministic_tree_proposal(*tree, seq.device))
         return out
 
 

@@ -394,21 +394,22 @@ class SuffixIndex:
 
     def speculate_tree(self, doc: _Doc, max_nodes: int, max_depth: int, factor: float = DEFAULT_MAX_SPEC_FACTOR,
                        min_prob: float = DEFAULT_MIN_TOKEN_PROB,
-                       prior: float = DEFAULT_UNSEEN_PRIOR) -> tuple[list[int], list[int]]:
+                       prior: float = DEFAULT_UNSEEN_PRIOR) -> tuple[list[int], list[int], list[float]]:
         """A token tree for a running doc: from its longest match, the continuations of every occurrence, most
         probable first (the product of the smoothed empirical probabilities along the path, as `speculate`
         computes them), at most max_nodes nodes and min(max_depth, factor x match length) levels, each node's
-        probability >= min_prob. Returns (tokens, parents) in node order (parents[i] < i, -1: a child of the
-        doc's end), siblings most probable first; its first path is `speculate`'s draft where the budget allows.
-        ([], []): no confident match."""
+        probability >= min_prob. Returns (tokens, parents, probabilities) in node order (parents[i] < i, -1: a
+        child of the doc's end), siblings most probable first; its first path is `speculate`'s draft where the
+        budget allows. ([], [], []): no confident match."""
         m = self.match_length(doc)
         cap = min(max_depth, int(m * factor + 1e-9))
         if m == 0 or cap <= 0 or max_nodes <= 0:
-            return [], []
+            return [], [], []
         node = doc.active[len(doc.active) - m]
         history = doc.tokens
         tokens: list[int] = []
         parents: list[int] = []
+        probs: list[float] = []
         paths: list[list[int]] = []
         heap: list = []
         serial = itertools.count()
@@ -445,13 +446,14 @@ class SuffixIndex:
             path = (paths[parent] if parent >= 0 else []) + [token]
             tokens.append(token)
             parents.append(parent)
+            probs.append(-neg_prob)
             paths.append(path)
             used.add(source)
             if len(path) < cap:
                 offer(position, len(tokens) - 1, -neg_prob, path)
         for source in used:
             self.touch(source)
-        return tokens, parents
+        return tokens, parents, probs
 
     def _walk(self, pattern: list[int]):
         """(node, tokens of its edge matched, depth) where `pattern` ends when read from the root; None when

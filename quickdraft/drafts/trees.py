@@ -16,24 +16,26 @@ from quickdraft.models.base import TreeAttention
 from quickdraft.token_tree import ChildSelection, TokenTree
 
 
-def deterministic_tree_proposal(tokens: Sequence[int], parents: Sequence[int], device: torch.device,
-                                catch_up: int = 0) -> Proposal:
+def deterministic_tree_proposal(tokens: Sequence[int], parents: Sequence[int], chances: Sequence[float],
+                                device: torch.device, catch_up: int = 0) -> Proposal:
     """The proposal of a looked-up or ranked tree (tokens and parents in node order, parents[i] < i, -1: a child
-    of the root): nothing for no node, a chain (tree None) for a line, else the TokenTree."""
+    of the root; chances: per node the proposer's estimate that the accepted path passes through it, Proposal.scores):
+    nothing for no node, a chain (tree None) for a line, else the TokenTree."""
     if not tokens:
         return Proposal(torch.empty(0, dtype=torch.long, device=device), catch_up=catch_up)
     ids = torch.tensor(list(tokens), dtype=torch.long, device=device)
     if list(parents) == list(range(-1, len(tokens) - 1)):
         return Proposal(ids, catch_up=catch_up)
-    return Proposal(ids, catch_up=catch_up, tree=TokenTree.from_parents(ids, parents, ChildSelection.DETERMINISTIC))
+    return Proposal(ids, catch_up=catch_up, tree=TokenTree.from_parents(ids, parents, ChildSelection.DETERMINISTIC),
+                    scores=torch.tensor(list(chances), dtype=torch.float32, device=device))
 
 
 def frequency_trie(continuations: Sequence[Sequence[int]], max_nodes: int,
-                   max_depth: int) -> tuple[list[int], list[int]]:
+                   max_depth: int) -> tuple[list[int], list[int], list[float]]:
     """The trie of `continuations` (most recent first) cut at max_depth tokens, keeping the max_nodes nodes that
-    most continuations pass through (ties: the shallower, then the most recent): (tokens, parents) in an order
-    where a parent comes first and siblings are most frequent first. A node's count never exceeds its
-    parent's, so the nodes kept always hang together."""
+    most continuations pass through (ties: the shallower, then the most recent): (tokens, parents, the share of
+    the continuations through each node) in an order where a parent comes first and siblings are most frequent
+    first. A node's count never exceeds its parent's, so the nodes kept always hang together."""
     count: dict[tuple[int, ...], int] = {}
     first_seen: dict[tuple[int, ...], int] = {}
     for rank, continuation in enumerate(continuations):
@@ -43,7 +45,10 @@ def frequency_trie(continuations: Sequence[Sequence[int]], max_nodes: int,
             count[path] = count.get(path, 0) + 1
             first_seen.setdefault(path, rank)
     kept = sorted(count, key=lambda p: (-count[p], len(p), first_seen[p]))[:max(max_nodes, 0)]
-    return _ordered(kept, lambda p: (-count[p], first_seen[p]))
+    ordered = number_nodes(kept, lambda p: p[:-1] if len(p) > 1 else None, len, lambda p: (-count[p], first_seen[p]))
+    index = {path: i for i, path in enumerate(ordered)}
+    return ([path[-1] for path in ordered], [index[path[:-1]] if len(path) > 1 else -1 for path in ordered],
+            [count[path] / len(continuations) for path in ordered])
 
 
 def number_nodes(kept: Sequence, parent_of, depth_of, sibling_key) -> list:
@@ -62,13 +67,6 @@ def number_nodes(kept: Sequence, parent_of, depth_of, sibling_key) -> list:
             position[node] = len(ordered)
             ordered.append(node)
     return ordered
-
-
-def _ordered(kept: Sequence[tuple[int, ...]], sibling_key) -> tuple[list[int], list[int]]:
-    """Paths closed under prefixes -> (tokens, parents) in number_nodes' order."""
-    ordered = number_nodes(kept, lambda p: p[:-1] if len(p) > 1 else None, len, sibling_key)
-    index = {path: i for i, path in enumerate(ordered)}
-    return [path[-1] for path in ordered], [index[path[:-1]] if len(path) > 1 else -1 for path in ordered]
 
 
 # A draft model's dynamic tree (EAGLE-2): each expanded node offers its TREE_TOP_K most probable tokens as
@@ -152,11 +150,12 @@ class DynamicTree:
         """How the forward that writes the frontier attends: every tree slot so far, parents by slot."""
         return TreeAttention(self.base, tuple(self.slot_parents))
 
-    def proposal_nodes(self) -> tuple[list[int], list[int]]:
-        """(tokens, parents) of the max_nodes best candidates in node order, siblings most probable first."""
+    def proposal_nodes(self) -> tuple[list[int], list[int], list[float]]:
+        """(tokens, parents, path probabilities) of the max_nodes best candidates in node order, siblings most
+        probable first."""
         kept = self.best()
         ordered = number_nodes(kept, lambda n: None if self.parents[n] < 0 else self.parents[n],
                                lambda n: self.depth[n], self._key)
         index = {node: i for i, node in enumerate(ordered)}
-        return [self.tokens[n] for n in ordered], [index[self.parents[n]] if self.parents[n] >= 0 else -1
-                                                   for n in ordered]
+        return ([self.tokens[n] for n in ordered], [index[self.parents[n]] if self.parents[n] >= 0 else -1
+                                                    for n in ordered], [math.exp(self.logp[n]) for n in ordered])

@@ -32,24 +32,26 @@ def _sequence(prompt, params=None, noise_key=None, vocab=V) -> Sequence:
 
 # --- drafts/trees.py ----------------------------------------------------------------------------------------
 def test_chain_or_tree_proposal():
-    assert deterministic_tree_proposal([], [], CPU).tokens.numel() == 0
-    chain = deterministic_tree_proposal([4, 5, 6], [-1, 0, 1], CPU, catch_up=2)
+    assert deterministic_tree_proposal([], [], [], CPU).tokens.numel() == 0
+    chain = deterministic_tree_proposal([4, 5, 6], [-1, 0, 1], [0.9, 0.8, 0.7], CPU, catch_up=2)
     assert chain.tree is None and chain.tokens.tolist() == [4, 5, 6] and chain.catch_up == 2
-    tree = deterministic_tree_proposal([4, 5, 6], [-1, -1, 0], CPU)
+    tree = deterministic_tree_proposal([4, 5, 6], [-1, -1, 0], [0.5, 0.25, 0.5], CPU)
     assert tree.tree is not None and tree.probs is None and not tree.tree.needs_draft_probs
+    assert tree.scores.tolist() == [0.5, 0.25, 0.5]
     assert tree.tree.parents.tolist() == [-1, -1, 0] and tree.tokens.tolist() == [4, 5, 6]
     assert set(tree.tree.selection.tolist()) == {int(ChildSelection.DETERMINISTIC)}
 
 
 def test_frequency_trie_keeps_the_most_frequent_nodes_siblings_by_frequency():
     continuations = [[1, 2, 3], [1, 2, 4], [5, 6], [1, 7]]  # most recent first
-    assert frequency_trie(continuations, 16, 6) == ([1, 5, 2, 7, 6, 3, 4], [-1, -1, 0, 0, 1, 2, 2])
+    assert frequency_trie(continuations, 16, 6) == ([1, 5, 2, 7, 6, 3, 4], [-1, -1, 0, 0, 1, 2, 2],
+                                                    [0.75, 0.25, 0.5, 0.25, 0.25, 0.25, 0.25])
     # Three nodes: 1 (3 continuations), 1 2 (2), then the shallower of the ones seen once, most recent first.
-    assert frequency_trie(continuations, 3, 6) == ([1, 5, 2], [-1, -1, 0])
-    assert frequency_trie(continuations, 16, 1) == ([1, 5], [-1, -1])
+    assert frequency_trie(continuations, 3, 6)[:2] == ([1, 5, 2], [-1, -1, 0])
+    assert frequency_trie(continuations, 16, 1)[:2] == ([1, 5], [-1, -1])
     # A tie between siblings goes to the most recent continuation.
-    assert frequency_trie([[3, 9], [4, 5]], 4, 2) == ([3, 4, 9, 5], [-1, -1, 0, 1])
-    assert frequency_trie([[1, 2, 3], [1, 2, 3]], 8, 2) == ([1, 2], [-1, 0])  # one continuation: a line
+    assert frequency_trie([[3, 9], [4, 5]], 4, 2)[:2] == ([3, 4, 9, 5], [-1, -1, 0, 1])
+    assert frequency_trie([[1, 2, 3], [1, 2, 3]], 8, 2) == ([1, 2], [-1, 0], [1.0, 1.0])  # one continuation
 
 
 def test_dynamic_tree_expands_the_best_of_each_level_and_keeps_the_best_nodes():
@@ -64,7 +66,9 @@ def test_dynamic_tree_expands_the_best_of_each_level_and_keeps_the_best_nodes():
     # Best 4: 1 (.5), 1 0 (.45), 2 (.3), 2 3 (.3: after its parent on a tie); 3 (.2) is out.
     assert tree.next_frontier(2) == [3, 5]
     assert tree.attention() == TreeAttention(3, (2, 2, 3, 4))
-    assert tree.proposal_nodes() == ([1, 2, 0, 3], [-1, -1, 0, 1])
+    tokens, parents, chances = tree.proposal_nodes()
+    assert (tokens, parents) == ([1, 2, 0, 3], [-1, -1, 0, 1])
+    assert chances == pytest.approx([0.5, 0.3, 0.45, 0.3])
     assert tree.next_frontier(3) == []  # the depth budget
     assert tree.path(5) == [2, 3]
 
@@ -87,6 +91,7 @@ def test_ngram_tree_merges_the_continuations_of_earlier_occurrences():
     assert proposal.probs is None
     assert proposal.tokens.tolist() == [3, 4, 9, 1, 5, 1, 2, 1]
     assert proposal.tree.parents.tolist() == [-1, -1, 0, 0, 1, 2, 3, 4]
+    assert proposal.scores.tolist() == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3])
     (small,) = proposer.propose_tree_batch([seq], [TreeBudget(2, 2)])
     assert small.tokens.tolist() == [3, 4] and small.tree.parents.tolist() == [-1, -1]
     # One earlier occurrence: the chain propose gives.
@@ -102,14 +107,16 @@ def test_suffix_index_tree_follows_every_continuation_most_probable_first():
     index = SuffixIndex(max_depth=8, max_tokens=1000)
     doc = index.new_doc([1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2])
     # One continuation of the longest match (1 2 3 1 2 -> 4 ...): the tree is speculate's chain.
-    assert index.speculate_tree(doc, 16, 8) == (index.speculate(doc, 8), [-1, 0, 1, 2, 3])
+    assert index.speculate_tree(doc, 16, 8)[:2] == (index.speculate(doc, 8), [-1, 0, 1, 2, 3])
     index.extend(doc, [3])  # 1 2 3 (m = 3) -> 1 2, then 3 (most recent) or 4
-    tokens, parents = index.speculate_tree(doc, 16, 8)
+    tokens, parents, probs = index.speculate_tree(doc, 16, 8)
     assert (tokens, parents) == ([1, 2, 3, 4], [-1, 0, 1, 1])
+    first = 2 / (2 + 10 / 4)  # then 1 x (1 / (2 + 10 / 16)) for each of 3 and 4
+    assert probs == pytest.approx([first, first, first / 2.625, first / 2.625])
     assert tokens[:3] == index.speculate(doc, 8)  # the first path is the chain's draft
-    assert index.speculate_tree(doc, 3, 8) == ([1, 2, 3], [-1, 0, 1])  # the budget cuts the less probable 4
-    assert index.speculate_tree(doc, 16, 2) == ([1, 2], [-1, 0])  # and the depth budget
-    assert index.speculate_tree(doc, 16, 8, min_prob=0.5) == ([], [])  # 2 / (2 + 10/4) < 0.5
+    assert index.speculate_tree(doc, 3, 8)[:2] == ([1, 2, 3], [-1, 0, 1])  # the budget cuts the less probable 4
+    assert index.speculate_tree(doc, 16, 2)[:2] == ([1, 2], [-1, 0])  # and the depth budget
+    assert index.speculate_tree(doc, 16, 8, min_prob=0.5) == ([], [], [])  # 2 / (2 + 10/4) < 0.5
     index.check()
 
 
@@ -117,7 +124,7 @@ def test_suffix_tree_reanchors_past_the_tree_depth():
     index = SuffixIndex(max_depth=4, max_tokens=1000)
     doc = index.new_doc([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3])
     chain = index.speculate(doc, 6, factor=2.0)
-    tokens, parents = index.speculate_tree(doc, 6, 6, factor=2.0)
+    tokens, parents, _ = index.speculate_tree(doc, 6, 6, factor=2.0)
     assert len(chain) == 6 and tokens == chain and parents == [-1, 0, 1, 2, 3, 4]
 
 
@@ -205,6 +212,7 @@ def test_draft_model_tree_levels_attention_budget_and_rollback():
     # The 6 most probable paths: 4 (.6), 4 5 (.36), 5 (.3), 4 5 6 (.216), 4 6 (.18), 5 6 (.18); 6 (.1) is out.
     assert proposal.tokens.tolist() == [4, 5, 5, 6, 6, 6]
     assert proposal.tree.parents.tolist() == [-1, -1, 0, 0, 1, 2]
+    assert proposal.scores.tolist() == pytest.approx([0.6, 0.3, 0.36, 0.18, 0.18, 0.216])
     assert proposal.probs is None and not proposal.tree.needs_draft_probs
     assert proposal.catch_up == 1  # the prompt, as a chain counts it: what a step adds is 2 tokens
     assert len(seq.draft_state.kv_cache) == 3  # rolled back to the committed history

@@ -159,9 +159,10 @@ class _StubCache(SequenceCache):
         pass
 
 
-class _StubRunner:
-    """Records each forward_batch (cache lengths, tokens, num_logits, trees); a row's logits follow LAW after
-    the last token it attends to (for a tree slot: itself; TreeAttention.visible is checked to end there)."""
+class _TokenRunner:
+    """A draft runner whose caches keep token ids only: each logits row asked for is row_logits(the tokens that
+    row attends to, in position order: TreeAttention.visible for a tree slot). Records each forward_batch (cache
+    lengths, tokens, num_logits, trees)."""
 
     vocab_size = V
     max_len = 64
@@ -172,6 +173,9 @@ class _StubRunner:
 
     def new_cache(self) -> SequenceCache:
         return _StubCache()
+
+    def row_logits(self, visible_tokens: list[int]) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward_batch(self, caches, tokens, num_logits, return_hidden=False, trees=None):
         self.calls.append(([len(c) for c in caches], [t.tolist() for t in tokens], list(num_logits), trees))
@@ -186,8 +190,15 @@ class _StubRunner:
             for slot in range(first + len(feed) - count, first + len(feed)):
                 visible = tree.visible(slot) if tree is not None else list(range(slot + 1))
                 assert visible[-1] == slot
-                rows.append(_law_logits(ids[visible[-1]]))
+                rows.append(self.row_logits([ids[s] for s in visible]))
         return torch.stack(rows)
+
+
+class _StubRunner(_TokenRunner):
+    """Logits that follow LAW after the last token a row attends to (for a tree slot: its own token)."""
+
+    def row_logits(self, visible_tokens: list[int]) -> torch.Tensor:
+        return _law_logits(visible_tokens[-1])
 
 
 def _draft_proposer():
@@ -306,28 +317,16 @@ def test_draft_model_tree_stays_within_its_budget(budget):
 
 
 # --- draft model on the native runner's kernels ------------------------------------------------------------
-class _LineRunner:
-    """A reference draft runner: every row it is asked for is computed by `runner` from scratch on the tokens
-    the row attends to (TreeAttention.visible), fed in a line; its caches keep token ids only."""
+class _LineRunner(_TokenRunner):
+    """A reference draft runner: every row is computed by `runner` from scratch on the tokens it attends to, fed
+    in a line."""
 
     def __init__(self, runner) -> None:
-        self.runner, self.vocab_size, self.max_len, self.device = runner, runner.vocab_size, runner.max_len, CPU
+        super().__init__()
+        self.runner, self.vocab_size, self.max_len = runner, runner.vocab_size, runner.max_len
 
-    def new_cache(self) -> SequenceCache:
-        return _StubCache()
-
-    def forward_batch(self, caches, tokens, num_logits, return_hidden=False, trees=None):
-        rows = []
-        for index, (cache, feed, count) in enumerate(zip(caches, tokens, num_logits)):
-            first = len(cache)
-            cache.record(feed)
-            ids = cache.token_ids
-            tree = trees[index] if trees is not None else None
-            for slot in range(first + len(feed) - count, first + len(feed)):
-                visible = tree.visible(slot) if tree is not None else list(range(slot + 1))
-                line = self.runner.new_cache()
-                rows.append(self.runner.forward(line, torch.tensor([ids[s] for s in visible]), 1)[0])
-        return torch.stack(rows)
+    def row_logits(self, visible_tokens: list[int]) -> torch.Tensor:
+        return self.runner.forward(self.runner.new_cache(), torch.tensor(visible_tokens), 1)[0]
 
 
 @pytest.mark.parametrize("view", ["whole", "layer_skip", "int8"])

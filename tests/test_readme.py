@@ -25,3 +25,14 @@ def test_every_file_the_readme_names_exists():
     assert len(named) >= 10
     missing = sorted(p for p in named if not (root / p).exists())
     assert not missing, f"the README names files that do not exist: {missing}"
+
+
+def test_the_readme_names_the_methods_that_take_a_tree_and_the_flag():
+    """The token-tree paragraph names --tree and every method whose proposer proposes trees (tree_methods)."""
+    from quickdraft.drafts import tree_methods
+
+    paragraph = README[README.index("Token trees (`--tree N,D`"):]
+    paragraph = paragraph[:paragraph.index("\n\n")]
+    assert "`--tree auto`" in paragraph and '"tree": "auto"' in paragraph
+    for method in tree_methods():
+        assert f"`{method}`" in paragraph, method

@@ -285,3 +285,15 @@ def test_batch_sweep_bad_input(tiny_dataset):
         with pytest.raises(QuickdraftError, match=word):
             run_bench(BenchConfig(dataset=str(tiny_dataset), cost_repeats=1, **kwargs), model=model,
                       tokenizer=tiny_tokenizer(), progress=False)
+
+
+def test_bench_with_token_trees(tiny_dataset):
+    """--tree goes to the methods that propose trees, the report's config says so, and their greedy output still
+    equals the reference's."""
+    model = tiny_llama(vocab_size=len(WORDS), layers=2)
+    cfg = BenchConfig(dataset=str(tiny_dataset), methods="ngram,layers:1", k="3", max_new_tokens=10,
+                      categories="writing", cost_repeats=2, tree="6,3")
+    report = run_bench(cfg, model=model, tokenizer=tiny_tokenizer(), progress=False)
+    assert report["config"]["tree"] == "6,3"
+    for name in ("ngram", "layers:1"):
+        assert report["methods"][name]["overall"]["greedy_mismatches"] == 0, name

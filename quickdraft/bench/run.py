@@ -174,7 +174,7 @@ def run_bench(cfg: BenchConfig, *, model=None, tokenizer=None, console=None, pro
         "prompt_format": prompts.description,
         "order": "interleaved: for each prompt every method in turn, after one warm-up generation each",
         "adaptive_k": cfg.adaptive and len(ks) == 1, "runner": type(reference.target).__name__,
-        "timing": TIMING_NOTE, "greedy_reference": "none",
+        "tree": cfg.tree, "timing": TIMING_NOTE, "greedy_reference": "none",
         "versions": _versions(), "started_at": started, "options": asdict(cfg),
     }
     report = build_report(config, runners, results, config["categories"], forward_s, context, cfg.cost_repeats)

@@ -398,8 +398,29 @@ def test_cli_writes_the_config_and_prints_the_table(tmp_path, capsys):
     LLM(str(model_dir), speculative_config=config, dtype="float32")  # the file configures an LLM as it is
 
 
+def test_cli_tunes_drafts_with_the_tree(tmp_path, capsys):
+    """--tree goes on every draft tune measures, and on the config it recommends."""
+    model_dir = tmp_path / "tiny"
+    _save_tiny_model(model_dir)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w6 w7 w8 w5 w6 w9 w8 w5 w6\nw9 w10 w11 w9 w10 w12 w9\n")
+    out = tmp_path / "tuned.json"
+    args = _tune_args(["--model", str(model_dir), "--prompts", str(prompts), "--drafts", "ngram,suffix", "--k-max",
+                       "2", "--max-tokens", "12", "--out", str(out), "--dtype", "float32", "--tree", "4,2",
+                       "--threads", "1"])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert "ngram --tree 4,2" in printed and "suffix --tree 4,2" in printed
+    config = json.loads(out.read_text())
+    if config["method"] != "none":
+        assert config["tree"] == {"max_nodes": 4, "max_depth": 2}
+    LLM(str(model_dir), speculative_config=config, dtype="float32")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--prompts", "{tmp}/missing.txt"], "does not exist"),
+    (["--prompts", "{tmp}/prompts.txt", "--tree", "x"], "--tree 'x': expected N,D"),
+    (["--prompts", "{tmp}/prompts.txt", "--tree", "3,6"], "max_depth 6 > max_nodes 3"),
     (["--prompts", "{tmp}/prompts.txt", "--drafts", "ngram,no-such-model"], "unknown draft"),
     (["--prompts", "{tmp}/prompts.txt", "--k-max", "0"], "k_max must be"),
     (["--prompts", "{tmp}/prompts.txt", "--max-tokens", "1"], "--max-tokens must be >= 2"),

@@ -300,6 +300,16 @@ def test_cli_exit_status_and_report(tiny_cli, monkeypatch, capsys):
     assert "verdict: FAIL" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("draft", ["ngram", "some/draft-model"])
+def test_cli_checks_token_trees(tiny_cli, capsys, draft):
+    """--tree reaches the speculative config, and tree verification of ngram's and a draft model's trees passes."""
+    prompts, loaded = tiny_cli
+    common = ["--prompts", prompts, "--model", "tiny", "--samples", str(N), "--max-tokens", str(MAX_TOKENS)]
+    assert _cli(*common, "--draft", draft, "--k", "3", "--tree", "6,3") == 0
+    assert "verdict: PASS" in capsys.readouterr().out
+    assert loaded[-1]["tree"] == {"max_nodes": 6, "max_depth": 3}
+
+
 def test_cli_speculative_config_and_json(tiny_cli, tmp_path, capsys):
     """--speculative-config (JSON text or a file) overrides --draft and --k; --json prints one object."""
     prompts, loaded = tiny_cli

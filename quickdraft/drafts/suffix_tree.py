@@ -23,7 +23,9 @@ empirical probabilities count / (sum of the siblings' counts + a pseudo-count fo
 yet: 10 at a context of one token, halving with each further token), and stops when that product falls
 below `min_token_prob`, at `max_spec_factor` x the match length, at `max_spec_tokens`, or where every
 occurrence ends. Past the tree's depth it re-anchors on the last max_depth // 2 tokens. No confident match:
-no draft (a token seen once after a single matching token is not confident: 1 / 11).
+no draft (a token seen once after a single matching token is not confident: 1 / 11). A token tree
+(`speculate_tree`) takes every continuation from the same match instead, the most probable paths first, each
+while its product stays above min_token_prob.
 
 The cache: a finished doc (`finish`: its request ended, Proposer.release) stays in the tree as cached text
 until the whole index holds more than `max_cached_tokens` tokens; then finished docs are removed least

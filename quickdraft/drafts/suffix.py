@@ -9,8 +9,8 @@ requests' text; a preempted request keeps its doc (its rerun goes on appending t
 
 Drafts are deterministic (Proposal.probs None: q one-hot), so verification keeps the target's law exactly,
 whatever the cache holds. Asked for a token tree (propose_tree_batch), it follows every continuation seen after
-the longest match, most probable first, within the budget (SuffixIndex.speculate_tree). `lookup_else_model` is how eagle and model_lookup take this lookup's draft where
-it is confident and a model's elsewhere.
+the longest match, most probable first, within the budget (SuffixIndex.speculate_tree). `lookup_else_model` is
+how eagle and model_lookup take this lookup's draft where it is confident and a model's elsewhere.
 """
 
 from __future__ import annotations

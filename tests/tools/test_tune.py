@@ -373,16 +373,23 @@ def _tune_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(["tune", *argv])
 
 
-def test_cli_writes_the_config_and_prints_the_table(tmp_path, capsys):
+def _tiny_tune_run(tmp_path, prompts_text: str, *argv: str):
+    """A tiny model saved, prompts written, and `quickdraft tune` run on them with ngram,suffix at K <= 2 (and
+    argv): (the model's directory, the --out path)."""
     model_dir = tmp_path / "tiny"
     _save_tiny_model(model_dir)
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("w5 w6 w7 w8 w5 w6 w7 w8 w5 w6\nw9 w10 w11 w9 w10 w11 w9\n")
+    prompts.write_text(prompts_text)
     out = tmp_path / "tuned.json"
     args = _tune_args(["--model", str(model_dir), "--prompts", str(prompts), "--drafts", "ngram,suffix", "--k-max",
-                       "2", "--max-tokens", "12", "--out", str(out), "--dtype", "float32", "--chat", "--sweep",
-                       "--threads", "1"])
+                       "2", "--max-tokens", "12", "--out", str(out), "--dtype", "float32", "--threads", "1", *argv])
     assert args.func(args) == 0
+    return model_dir, out
+
+
+def test_cli_writes_the_config_and_prints_the_table(tmp_path, capsys):
+    model_dir, out = _tiny_tune_run(tmp_path, "w5 w6 w7 w8 w5 w6 w7 w8 w5 w6\nw9 w10 w11 w9 w10 w11 w9\n", "--chat",
+                                    "--sweep")
     printed = capsys.readouterr()
     config = json.loads(out.read_text())
     spec = SpeculativeConfig.from_dict(config)
@@ -400,15 +407,8 @@ def test_cli_writes_the_config_and_prints_the_table(tmp_path, capsys):
 
 def test_cli_tunes_drafts_with_the_tree(tmp_path, capsys):
     """--tree goes on every draft tune measures, and on the config it recommends."""
-    model_dir = tmp_path / "tiny"
-    _save_tiny_model(model_dir)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("w5 w6 w7 w8 w5 w6 w9 w8 w5 w6\nw9 w10 w11 w9 w10 w12 w9\n")
-    out = tmp_path / "tuned.json"
-    args = _tune_args(["--model", str(model_dir), "--prompts", str(prompts), "--drafts", "ngram,suffix", "--k-max",
-                       "2", "--max-tokens", "12", "--out", str(out), "--dtype", "float32", "--tree", "4,2",
-                       "--threads", "1"])
-    assert args.func(args) == 0
+    model_dir, out = _tiny_tune_run(tmp_path, "w5 w6 w7 w8 w5 w6 w9 w8 w5 w6\nw9 w10 w11 w9 w10 w12 w9\n",
+                                    "--tree", "4,2")
     printed = capsys.readouterr().out
     assert "ngram --tree 4,2" in printed and "suffix --tree 4,2" in printed
     config = json.loads(out.read_text())

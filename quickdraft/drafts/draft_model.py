@@ -24,7 +24,7 @@ import torch
 
 from quickdraft import sampling
 from quickdraft.drafts.base import DraftOptions, Proposal, Proposer, TreeBudget
-from quickdraft.drafts.trees import DynamicTree, deterministic_tree_proposal
+from quickdraft.drafts.trees import DynamicTree, deterministic_tree_proposal, rank_children
 from quickdraft.drafts.vocab_mapping import IdentityMapping, IntersectionMapping, Translation, same_vocabulary
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.base import QUANTIZATION_SCHEMES
@@ -219,7 +219,7 @@ class DraftModelProposer(Proposer):
                                 self.runner.max_len - len(caches[j]) - len(feeds[j])) for j in grown}
         logits = self._draft_logits([caches[j] for j in grown], [feeds[j] for j in grown], [1] * len(grown))
         for row, j in enumerate(grown):
-            self._add_children(seqs[j], trees[j], [-1], logits[row:row + 1])
+            rank_children(seqs[j], trees[j], [-1], logits[row:row + 1])
         for level in range(1, max(depth[j] for j in grown)):
             rows = [j for j in grown if trees[j].next_frontier(level)]
             if not rows:
@@ -231,7 +231,7 @@ class DraftModelProposer(Proposer):
                                         [len(t) for t in frontier_tokens], trees=[trees[j].attention() for j in rows])
             offset = 0
             for j, t in zip(rows, frontier_tokens):
-                self._add_children(seqs[j], trees[j], trees[j].frontier, logits[offset:offset + len(t)])
+                rank_children(seqs[j], trees[j], trees[j].frontier, logits[offset:offset + len(t)])
                 offset += len(t)
         for j in grown:
             tree, state = trees[j], seqs[j].draft_state
@@ -239,24 +239,3 @@ class DraftModelProposer(Proposer):
             state.tree_at, state.tree_depth = tree.base, max((tree.depth[n] for n in tree.best()), default=0)
             out[j] = deterministic_tree_proposal(*tree.proposal_nodes(), seqs[j].device, catch_ups[j])
         return out
-
-    def _add_children(self, seq, tree: DynamicTree, nodes: list[int], logits: torch.Tensor) -> None:
-        """Rank the children of `nodes` (-1: the root) from the draft's logits after each [len(nodes), V_target]:
-        the draft's processed distribution (softmax of the penalised logits for a greedy request); for a seeded
-        request the softmax of the noise-coupled scores its draw at that position maximises."""
-        logits = logits.to(seq.device)
-        paths = [tree.path(n) for n in nodes]
-        if seq.penalties is None:  # rows do not depend on their paths: one call
-            processed = seq.process(logits, torch.empty(0, dtype=torch.long, device=seq.device))
-        else:
-            processed = torch.cat([seq.process(logits[i:i + 1], torch.tensor(path, dtype=torch.long, device=seq.device),
-                                               first_row=len(path)) for i, path in enumerate(paths)])
-        if seq.params.greedy:
-            probs = torch.softmax(processed.double(), -1)
-        elif seq.noise_key is not None:  # the frontier is one depth: one output position's noise
-            log_noise = seq.log_noise(len(seq.output_ids) + len(paths[0]), 1, processed.shape[-1])
-            probs = torch.softmax(sampling.scores_with_log_noise(processed, log_noise), -1)
-        else:
-            probs = processed
-        for node, row in zip(nodes, probs):
-            tree.add_children(node, row)

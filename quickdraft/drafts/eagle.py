@@ -21,9 +21,12 @@ Copying: where the suffix index of the request's text (drafts/suffix.py) has a c
 positions, that lookup draft is taken instead of the head's (deterministic: q one-hot, exact; suffix's
 lookup_else_model, as model_lookup).
 
-Trees (EAGLE-2) can replace the chain: `_draw` gives one token per row from a row's logits; a tree would take
-the top tokens of each row and feed them as several rows of one head forward, with tree attention in the head's
-cache. Not built yet.
+Trees (EAGLE-2, Li et al. 2024): with speculative_config "tree", the head grows a DynamicTree (drafts/trees.py)
+instead: the root's and then each expanded node's top tokens are candidate children ranked by the product of
+the head's probabilities along their path; each level is ONE head forward over every sequence's frontier, a
+node's input fusing its parent's estimate f^ with its token, with tree attention in the head's cache
+(models.base.TreeAttention). The children are DETERMINISTIC (a function of the context), so verification is
+exact at every temperature with q one-hot (verify_tree).
 
 Heads are written by `quickdraft distill` (tools/distill.py): head.safetensors (fc, the decoder layer, the
 norm, and `vocab_ids`, the reduced vocabulary as target token ids) and config.json (the head's shape, the
@@ -42,8 +45,9 @@ import torch
 from torch import nn
 
 from quickdraft import sampling
-from quickdraft.drafts.base import Proposal, Proposer, spelling_argument
+from quickdraft.drafts.base import Proposal, Proposer, TreeBudget, spelling_argument
 from quickdraft.drafts.suffix import SuffixOptions, SuffixProposer, SuffixState, lookup_else_model
+from quickdraft.drafts.trees import DynamicTree, deterministic_tree_proposal, rank_children
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.linear import DenseLinear
 from quickdraft.models.native import NativeRunner, supports
@@ -247,6 +251,7 @@ class EagleProposer(Proposer):
     spelling = "eagle[:HEAD_DIR]"
     runs_a_model = True
     uses_target_features = True
+    proposes_trees = True
 
     def __init__(self, target, head: EagleHead, lookup: SuffixProposer | None = None, head_path: str | None = None):
         super().__init__()
@@ -367,9 +372,34 @@ class EagleProposer(Proposer):
 
         return lookup_else_model(seqs, ks, confident_copy, lambda heads: self._propose_by_head(seqs, ks, heads))[0]
 
-    def _propose_by_head(self, seqs, ks: list[int], heads: list[int]) -> list[Proposal]:
-        """The head's proposals for seqs[j], j in heads (each ks[j] > 0)."""
-        # The head reads the committed positions it lacks: position p pairs f_p with x_{p+1}, p < len - 1.
+    @torch.inference_mode()
+    def propose_tree_batch(self, seqs, budgets: list[TreeBudget]) -> list[Proposal]:
+        """A confident copy of the whole depth where the suffix index has one (a chain), else the head's EAGLE-2
+        tree within each budget (module docstring); a grammar-constrained sequence drafts a chain."""
+        depth = [min(b.max_nodes, b.max_depth, self.max_draft_tokens(seq)) if b.max_nodes > 0 else 0
+                 for seq, b in zip(seqs, budgets)]
+        chains = [j for j, seq in enumerate(seqs) if depth[j] > 0 and seq.grammar is not None]
+        out = [Proposal.empty(seq.device) for seq in seqs]
+        if chains:
+            for j, proposal in zip(chains, self.propose_batch([seqs[j] for j in chains], [depth[j] for j in chains])):
+                out[j] = proposal
+        grown_ks = [0 if j in chains else d for j, d in enumerate(depth)]
+
+        def confident_copy(j: int) -> list[int]:
+            suffix = seqs[j].draft_state.suffix
+            if suffix is None:
+                return []
+            draft = self.lookup.lookup(suffix, seqs[j], grown_ks[j])
+            return draft if len(draft) >= grown_ks[j] else []
+
+        made, _ = lookup_else_model(seqs, grown_ks, confident_copy,
+                                    lambda heads: self._tree_by_head(seqs, depth, budgets, heads))
+        return [made[j] if grown_ks[j] > 0 else out[j] for j in range(len(seqs))]
+
+    def _read_committed(self, seqs, heads: list[int]):
+        """The head's first forward of a step: each sequence in `heads` reads the committed positions its cache
+        lacks (position p pairs f_p with x_{p+1}, p < len - 1). Returns the logits of its last row [m, V'], its
+        estimate f^ of the next position [m, hidden], and each sequence's catch-up."""
         caches, token_rows, inputs, catch_ups = [], [], [], {}
         for j in heads:
             seq, state = seqs[j], seqs[j].draft_state
@@ -391,13 +421,63 @@ class EagleProposer(Proposer):
         for tokens in token_rows:
             row += int(tokens.numel())
             ends.append(row - 1)
-        estimates = hidden[ends]  # [m, hidden]: f^ of each sequence's next position
         for j in heads:  # the features read; keep the last one
-            seq, state = seqs[j], seqs[j].draft_state
+            state = seqs[j].draft_state
             state.real = len(state.cache)
             if state.feats is not None and state.real - 1 > state.feat_start:
                 cut = min(state.real - 1 - state.feat_start, state.feats.shape[0])
                 state.feats, state.feat_start = state.feats[cut:], state.feat_start + cut
+        return logits, hidden[ends], catch_ups
+
+    def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's logits over its V' tokens [n, V'] as target-vocabulary logits [n, V] (-inf elsewhere)."""
+        full = torch.full((logits.shape[0], self.target_vocab_size), float("-inf"), device=logits.device)
+        full[:, self.vocab_ids.to(logits.device)] = logits.float()
+        return full
+
+    def _tree_by_head(self, seqs, depth: list[int], budgets: list[TreeBudget], heads: list[int]) -> list[Proposal]:
+        """The head's EAGLE-2 trees for seqs[j], j in heads: level 0 reads the committed positions and ranks the
+        root's children; level d feeds the depth-d frontier (each node fused with its parent's estimate) as tree
+        rows and ranks their children; one head forward per level over all sequences."""
+        logits, estimates, catch_ups = self._read_committed(seqs, heads)
+        caches = {j: seqs[j].draft_state.cache for j in heads}
+        trees = {j: DynamicTree(len(caches[j]), budgets[j].max_nodes, depth[j], self.runner.max_len - len(caches[j]))
+                 for j in heads}
+        estimate_of = {j: {-1: estimates[row]} for row, j in enumerate(heads)}  # node -> f^ after its path
+        full = self._full_logits(logits)
+        for row, j in enumerate(heads):
+            rank_children(seqs[j], trees[j], [-1], full[row:row + 1])
+        for level in range(1, max(depth[j] for j in heads)):
+            rows = [j for j in heads if trees[j].next_frontier(level)]
+            if not rows:
+                break
+            tokens, inputs = [], []
+            for j in rows:
+                tree = trees[j]
+                ids = torch.tensor([tree.tokens[n] for n in tree.frontier], dtype=torch.long, device=self.runner.device)
+                parents = torch.stack([estimate_of[j][tree.parents[n]] for n in tree.frontier])
+                tokens.append(ids)
+                inputs.append(self._fuse(parents, ids))
+            logits, hidden = self.runner.forward_batch([caches[j] for j in rows], tokens, [len(t) for t in tokens],
+                                                       inputs_embeds=inputs, return_hidden=True,
+                                                       trees=[trees[j].attention() for j in rows])
+            self.forwards += 1
+            full, offset = self._full_logits(logits), 0
+            for j, ids in zip(rows, tokens):
+                frontier = trees[j].frontier
+                for n, r in zip(frontier, range(offset, offset + len(ids))):
+                    estimate_of[j][n] = hidden[r]
+                rank_children(seqs[j], trees[j], frontier, full[offset:offset + len(ids)])
+                offset += len(ids)
+        out = []
+        for j in heads:
+            caches[j].rollback(trees[j].base)  # the committed positions: the tree's slots are no path
+            out.append(deterministic_tree_proposal(*trees[j].proposal_nodes(), seqs[j].device, catch_ups[j]))
+        return out
+
+    def _propose_by_head(self, seqs, ks: list[int], heads: list[int]) -> list[Proposal]:
+        """The head's proposals for seqs[j], j in heads (each ks[j] > 0)."""
+        logits, estimates, catch_ups = self._read_committed(seqs, heads)
 
         drafts = {j: torch.empty(ks[j], dtype=torch.long, device=seqs[j].device) for j in heads}
         probs = {j: None for j in heads}

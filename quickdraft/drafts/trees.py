@@ -11,6 +11,8 @@ from typing import Sequence
 
 import torch
 
+from quickdraft import sampling
+
 from quickdraft.drafts.base import Proposal
 from quickdraft.models.base import TreeAttention
 from quickdraft.token_tree import ChildSelection, TokenTree
@@ -159,3 +161,26 @@ class DynamicTree:
         index = {node: i for i, node in enumerate(ordered)}
         return ([self.tokens[n] for n in ordered], [index[self.parents[n]] if self.parents[n] >= 0 else -1
                                                     for n in ordered], [math.exp(self.logp[n]) for n in ordered])
+
+
+def rank_children(seq, tree: DynamicTree, nodes: list[int], logits: torch.Tensor) -> None:
+    """Rank the children of `nodes` (-1: the root) of a draft's DynamicTree from its logits after each
+    [len(nodes), V_target] (-inf for tokens it cannot propose):
+    the draft's processed distribution (softmax of the penalised logits for a greedy request); for a seeded
+    request the softmax of the noise-coupled scores its draw at that position maximises."""
+    logits = logits.to(seq.device)
+    paths = [tree.path(n) for n in nodes]
+    if seq.penalties is None:  # rows do not depend on their paths: one call
+        processed = seq.process(logits, torch.empty(0, dtype=torch.long, device=seq.device))
+    else:
+        processed = torch.cat([seq.process(logits[i:i + 1], torch.tensor(path, dtype=torch.long, device=seq.device),
+                                           first_row=len(path)) for i, path in enumerate(paths)])
+    if seq.params.greedy:
+        probs = torch.softmax(processed.double(), -1)
+    elif seq.noise_key is not None:  # the frontier is one depth: one output position's noise
+        log_noise = seq.log_noise(len(seq.output_ids) + len(paths[0]), 1, processed.shape[-1])
+        probs = torch.softmax(sampling.scores_with_log_noise(processed, log_noise), -1)
+    else:
+        probs = processed
+    for node, row in zip(nodes, probs):
+        tree.add_children(node, row)

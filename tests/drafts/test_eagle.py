@@ -78,6 +78,23 @@ def test_greedy_eagle_equals_plain(make, tmp_path):
             assert sum(o.metrics.proposed_tokens for o in outs) > 0
 
 
+@pytest.mark.parametrize("make", [tiny_llama16, tiny_gemma16])
+def test_eagle_trees_equal_plain_output(make, tmp_path):
+    """The head's EAGLE-2 trees (tree attention in the head's cache, each node fused with its parent's estimate):
+    greedy and seeded output is plain decoding's token for token, batched, with trees verified."""
+    plain = _plain(make)
+    head = _head_dir(plain, tmp_path, range(0, 40))
+    llm = plain.with_speculative_config({"method": "eagle", "model": head, "num_speculative_tokens": 4,
+                                         "adaptive": False, "eagle_lookup": False,
+                                         "tree": {"max_nodes": 10, "max_depth": 4}})
+    for params in (SamplingParams(temperature=0, max_tokens=24),
+                   SamplingParams(temperature=0.9, max_tokens=24, seed=5, presence_penalty=0.3)):
+        want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert all(o.metrics.tree_steps > 0 for o in outs)
+
+
 def test_prefix_cache_gaps_stay_exact(tmp_path):
     """A prompt whose prefix comes from the prefix cache has no target features there: the head reads zeros
     for those positions, and the output is still plain greedy output."""

@@ -54,9 +54,9 @@ def test_bad_trees_are_refused_with_what_to_give(tree, message):
 
 def test_a_tree_is_refused_for_methods_that_propose_none_naming_those_that_do():
     takers = tree_methods()
-    assert {"ngram", "suffix", "draft_model"} <= set(takers)
+    assert {"ngram", "suffix", "draft_model", "eagle"} <= set(takers)
     assert takers == [name for name, cls in PROPOSERS.items() if cls.proposes_trees]
-    for method in ("none", "eagle"):
+    for method in ("none", "model_lookup"):
         assert method not in takers
         with pytest.raises(QuickdraftError, match=f"method '{method}' proposes no token trees.*" + ", ".join(takers)):
             SpeculativeConfig(method=method, tree="auto")

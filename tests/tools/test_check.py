@@ -164,15 +164,15 @@ def test_check_fails_when_greedy_accepts_one_draft_too_many(monkeypatch):
 
     def one_draft_too_many(self, seqs, logits, drafts, proposals, *rest):
         results, row = [], 0
-        for seq, draft, (accepted, token) in zip(seqs, drafts, verify_batch(self, seqs, logits, drafts, proposals,
-                                                                            *rest)):
+        verdicts, paths = verify_batch(self, seqs, logits, drafts, proposals, *rest)
+        for seq, draft, (accepted, token) in zip(seqs, drafts, verdicts):
             k = int(draft.numel())
             if seq.params.greedy and accepted < k:
                 accepted += 1
                 token = int(logits[row + accepted].argmax())
             results.append((accepted, token))
             row += k + 1
-        return results
+        return results, paths  # chains: paths are None
 
     monkeypatch.setattr(Engine, "_verify_batch", one_draft_too_many)
     report = _check("draft_model")
@@ -257,6 +257,43 @@ def test_check_rejects_bad_arguments():
         check(llm, PROMPTS, SamplingParams(), speculative_config={"method": "none"})
     with pytest.raises(QuickdraftError, match="has no tokenizer"):
         check(llm, ["text"], SamplingParams())
+
+
+# --- token trees ------------------------------------------------------------------------------------------
+def _check_trees(method: str, monkeypatch, **options):
+    """check() with token trees of up to 6 nodes and depth 3 (K = 3), counting the trees verified."""
+    config = {**_config(method), "tree": {"max_nodes": 6, "max_depth": 3}}
+    llm = LLM(_models()[0], speculative_config=config, dtype="float32", device="cpu")
+    verified = []
+    verify_tree_of = Engine._verify_tree
+
+    def counting(seq, batch, processed, i):
+        verified.append(batch.trees[i].num_nodes)
+        return verify_tree_of(seq, batch, processed, i)
+
+    monkeypatch.setattr(Engine, "_verify_tree", staticmethod(counting))
+    report = check(llm, PROMPTS, SamplingParams(**SETTINGS["t0.7"]), max_tokens=MAX_TOKENS, samples=N, **options)
+    return report, verified
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_check_passes_with_token_trees(method, monkeypatch):
+    """Trees (several children per node: the draft model's top tokens, ngram's continuations) verified by
+    recursive rejection sampling pass the exact-law check, and trees were verified."""
+    report, verified = _check_trees(method, monkeypatch)
+    assert report.passed, report.render()
+    assert len(verified) > 100 and max(verified) > 3, verified[:20]
+
+
+def test_check_fails_with_token_trees_and_a_wrong_residual(monkeypatch):
+    """A planted defect in tree verification: the residual after a rejected child is not reduced (max(0, r - q)
+    skipped), so a rejected token may still be drawn. check must FAIL."""
+    from quickdraft import verify_tree
+
+    monkeypatch.setattr(verify_tree, "_next_residual", lambda residual, proposal: residual)
+    report, verified = _check_trees("draft_model", monkeypatch)
+    _fails_statistically(report)
+    assert verified
 
 
 # --- the command line -------------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 

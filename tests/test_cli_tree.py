@@ -85,7 +85,7 @@ def test_bench_applies_the_tree_to_the_methods_that_propose_trees():
     from quickdraft.bench.run import BenchConfig, run_bench
 
     assert _with_tree({"method": "ngram"}, "auto") == {"method": "ngram", "tree": "auto"}
-    assert _with_tree({"method": "eagle"}, "auto") == {"method": "eagle"}  # decoded as chains
+    assert _with_tree({"method": "model_lookup"}, "auto") == {"method": "model_lookup"}  # decoded as chains
     assert _with_tree({"method": "ngram"}, None) == {"method": "ngram"}
     assert BenchConfig(dataset="d.jsonl", tree="8,3").tree == "8,3"
     with pytest.raises(QuickdraftError, match="--tree '8': expected N,D"):

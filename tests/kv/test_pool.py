@@ -153,6 +153,7 @@ def test_an_exception_in_a_step_frees_its_blocks():
         raise RuntimeError("boom")
 
     scheduler.engine = type("E", (), {"step_batch": staticmethod(broken), "k": llm.engine.k,
+                                      "max_step_drafts": llm.engine.max_step_drafts,
                                       "target": llm.target, "proposer": llm.proposer})()
     with pytest.raises(RuntimeError, match="boom"):
         scheduler.step()

@@ -546,10 +546,17 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
   auto y = torch::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
   const auto* xp = x.data_ptr<c10::BFloat16>();
-  const bool tiles = M >= amx_rows(digits) && amx_int8_in_use();
   // A tiles of 8 rows (each row's digits) for few rows, else 16; zero rows past M up to a whole pass
   const int tile_rows = M * digits <= 8 ? 8 : 16;
-  const int64_t pass = tile_rows / digits, rows = tiles ? (M + pass - 1) / pass * pass : M;
+  const int64_t pass = tile_rows / digits;
+  // A pass costs about the same whatever rows it holds (the tiles' latency and the finish), a vpdpbusd row about
+  // 1/7 of a pass: a call whose last pass would be mostly zero rows runs on vpdpbusd instead (the same bits;
+  // set_quant_amx_rows(n) puts every call of n rows or more on tiles, for the tests of every tiling).
+  // Measured on the Qwen 1.5B forward (2 threads, two digits, ms: tiles / vpdpbusd): 8 rows 94 / 97, 9 138 / 107,
+  // 12 148 / 128, 16 166 / 161, 17 208 / 173, 24 198 / 218, 32 275 / 283.
+  const int64_t waste = (pass - M % pass) % pass;
+  const bool tiles = M >= amx_rows(digits) && amx_int8_in_use() && (amx_rows_set.load() > 0 || waste <= pass / 4);
+  const int64_t rows = tiles ? (M + pass - 1) / pass * pass : M;
   Activations acts[4];
   for (int wide = 0; wide < 2; ++wide)
     for (int nibbles = 0; nibbles < 2; ++nibbles)

@@ -210,32 +210,27 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
     return chosen
 
 
-def choose_tree_nodes(chances: list[list[float]], depths: list[list[int]], base_rows: int, costs: BatchCosts,
-                      model_draft: bool) -> list[int]:
+def choose_tree_nodes(chances: list[list[float]], base_rows: int, costs: BatchCosts) -> list[int]:
     """How many nodes of each sequence's candidate token tree to verify (its nodes taken best first), maximising
-    the whole batch's expected tokens per second: choose_batch_k's rule with tree nodes as the candidates.
+    the whole batch's expected tokens per second of verification: choose_batch_k's rule with tree nodes as the
+    candidates, priced by the target forward's measured cost by rows (the tree is drafted already: its draft
+    forwards are spent whatever is kept; its depth was chosen before drafting, by choose_batch_k).
 
-    chances[i][j]: the expected contribution of node j of sequence i's tree to the accepted path, i.e. the
-    probability that the path passes through it (for DETERMINISTIC children, the product of the target's
-    probabilities along its path; a proposer estimates it by the draft's, EAGLE-2's path confidence, times a
-    measured calibration). A node's chance is at most its parent's, so a sequence's best-first nodes (ties by
-    node order) always form a subtree: the caller keeps that prefix of its nodes sorted by (-chance, index).
-    depths[i][j]: node j's depth (a draft forward per level). Every sequence keeps its whole tree while nothing
-    has been measured (try, then learn); 0 where verifying no tree is faster."""
-    drafts_unmeasured = not (costs.draft_forward.points if model_draft else costs.lookup.points)
-    if costs.step_seconds(base_rows, 0, 0, model_draft) is None or drafts_unmeasured:
+    chances[i][j]: the expected contribution of the j-th best node of sequence i's tree to the accepted path,
+    i.e. the probability that the path passes through it (for DETERMINISTIC children, the product of the
+    target's probabilities along its path; a proposer estimates it by the draft's, EAGLE-2's path confidence,
+    times a measured calibration), best first. A node's chance is at most its parent's, so a sequence's best-first
+    nodes (ties by node order) always form a subtree. Every sequence keeps its whole tree while the target's
+    cost is not measured; 0 where verifying no tree is faster."""
+    if costs.step_seconds(base_rows, 0, 0, False) is None:
         return [len(c) for c in chances]
     candidates = sorted((-chance, j, i) for i, seq_chances in enumerate(chances) for j, chance in enumerate(seq_chances))
-    kept = [0] * len(chances)
     tokens = float(len(chances))
-    best_rate = tokens / costs.step_seconds(base_rows, 0, 0, model_draft)
-    best_m, max_depth, drafting = 0, 0, 0
-    for m, (neg_gain, j, i) in enumerate(candidates, start=1):
+    best_rate = tokens / costs.step_seconds(base_rows, 0, 0, False)
+    best_m = 0
+    for m, (neg_gain, _, _) in enumerate(candidates, start=1):
         tokens -= neg_gain
-        drafting += kept[i] == 0
-        kept[i] += 1
-        max_depth = max(max_depth, depths[i][j])
-        rate = tokens / costs.step_seconds(base_rows + m, max_depth, drafting, model_draft)
+        rate = tokens / costs.step_seconds(base_rows + m, 0, 0, False)  # the target's forward over the rows
         if rate > best_rate:
             best_rate, best_m = rate, m
     chosen = [0] * len(chances)

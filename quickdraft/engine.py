@@ -53,8 +53,13 @@ class Engine:
         self.max_len = min(max_len or target.max_len, target.max_len)
         # LOSSY relaxed acceptance (SpeculativeConfig acceptance="relaxed"): None, the default, is exact.
         self.relaxed_threshold = relaxed_threshold
-        # Token trees (speculative_config "tree"): None, the default, drafts chains.
+        # Token trees (speculative_config "tree"): None, the default, drafts chains. "auto" sizes them: the depth
+        # (draft levels) before drafting as adaptive K chooses k from the batch's costs by rows and the trees'
+        # per-depth acceptance (a tree step's accepted path is a chain's accepted drafts), then the nodes worth
+        # verifying (_size_trees).
         self.tree = tree if num_speculative_tokens > 0 else None
+        self._auto_tree = self.tree is not None and self.tree.auto
+        self.adaptive_k = self.adaptive_k or self._auto_tree
         if self.tree is not None and relaxed_threshold is not None:
             raise QuickdraftError("token trees are verified exactly; the LOSSY relaxed acceptance takes chains only: "
                                   "drop speculative_config['tree'] or the relaxed acceptance")
@@ -124,7 +129,7 @@ class Engine:
         if not self.adaptive_k:
             return caps
         kinds = [self.proposer.draft_kind(seq) for seq in seqs]
-        if len(seqs) == 1:
+        if len(seqs) == 1 and not self._auto_tree:
             return [adaptive.choose_k(seqs[0].acceptance_for(kinds[0]), self.step_costs_of(kinds[0]), caps[0])
                     if caps[0] > 0 else 0]
         base_rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs)
@@ -204,7 +209,7 @@ class Engine:
                 self.proposer.observe(seq, length - committed, hidden[row:].index_select(0, index))
                 row += int(feed.numel())
 
-        if self.adaptive_k or (self.tree is not None and self.tree.auto):
+        if self.adaptive_k:
             caught_up = any(proposal.catch_up for proposal in proposals)
             self.batch_costs.record(sum(int(feed.numel()) for feed in feeds), t3 - t1, sum(k > 0 for k in ks),
                                     draft_forwards, None if caught_up else t1 - t0)
@@ -258,7 +263,7 @@ class Engine:
             made = self.proposer.propose_batch([seqs[i] for i in chain_rows], [ks[i] for i in chain_rows])
             for i, proposal in zip(chain_rows, made):
                 proposals[i] = proposal
-        if self.tree.auto:
+        if self._auto_tree:
             proposals = self._size_trees(seqs, ks, proposals)
         for i in tree_rows:
             tree, budget = proposals[i].tree, budgets[i]
@@ -284,15 +289,13 @@ class Engine:
             return proposals
         base_rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs) + sum(
             int(p.tokens.numel()) for i, p in enumerate(proposals) if i not in sized)
-        chances, orders, depths = [], [], []
+        chances, orders = [], []
         for i in sized:
             scores = (proposals[i].scores.float().cpu() * self._calibration(seqs[i]).factor).clamp(max=1.0).tolist()
             order = sorted(range(len(scores)), key=lambda j: (-scores[j], j))  # parents first among equals
             chances.append([scores[j] for j in order])
-            depths.append([int(proposals[i].tree.depth[j]) for j in order])
             orders.append(order)
-        counts = adaptive.choose_tree_nodes(chances, depths, base_rows, self.batch_costs,
-                                            any(self.proposer.draft_kind(seqs[i]) == "model" for i in sized))
+        counts = adaptive.choose_tree_nodes(chances, base_rows, self.batch_costs)
         out = list(proposals)
         for i, order, count in zip(sized, orders, counts):
             if count == 0:

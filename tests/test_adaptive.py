@@ -248,25 +248,23 @@ def _tree_costs(per_row: float, draft_per_forward: float = 0.0) -> "adaptive.Bat
     return costs
 
 
-def test_choose_tree_nodes_keeps_whole_trees_until_costs_are_measured():
-    assert adaptive.choose_tree_nodes([[0.9, 0.5], [0.2]], [[1, 2], [1]], 2, adaptive.BatchCosts(), True) == [2, 1]
+def test_choose_tree_nodes_keeps_whole_trees_until_the_target_cost_is_measured():
+    assert adaptive.choose_tree_nodes([[0.9, 0.5], [0.2]], 2, adaptive.BatchCosts()) == [2, 1]
 
 
 def test_choose_tree_nodes_prices_rows_against_chances():
     chances = [[0.9, 0.6, 0.3, 0.05, 0.01]]
-    depths = [[1, 2, 1, 3, 2]]
-    # Rows nearly free: every node whose chance is above the cost of one more row pays.
-    assert adaptive.choose_tree_nodes(chances, depths, 1, _tree_costs(0.001), False) == [5]
+    # Rows nearly free: every node whose chance is above the cost of one more row pays (the draft is spent).
+    assert adaptive.choose_tree_nodes(chances, 1, _tree_costs(0.001)) == [5]
     # A row costs 10% of a step: a node pays while its chance beats the marginal cost (0.05 and 0.01 do not).
-    assert adaptive.choose_tree_nodes(chances, depths, 1, _tree_costs(0.1), False) == [3]
+    assert adaptive.choose_tree_nodes(chances, 1, _tree_costs(0.1)) == [3]
     # Rows as dear as a whole step: no tree at all.
-    assert adaptive.choose_tree_nodes(chances, depths, 1, _tree_costs(1.5), False) == [0]
+    assert adaptive.choose_tree_nodes(chances, 1, _tree_costs(1.5)) == [0]
 
 
 def test_choose_tree_nodes_takes_the_best_nodes_of_the_batch_first():
     chances = [[0.9, 0.1], [0.8, 0.7, 0.02]]
-    depths = [[1, 2], [1, 2, 3]]
-    assert adaptive.choose_tree_nodes(chances, depths, 2, _tree_costs(0.05), False) == [1, 2]
+    assert adaptive.choose_tree_nodes(chances, 2, _tree_costs(0.05)) == [1, 2]
 
 
 def test_tree_calibration_moves_toward_the_accepted_share():

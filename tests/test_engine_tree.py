@@ -271,7 +271,7 @@ def test_auto_trees_are_cut_to_the_chosen_nodes_and_stay_exact(runner, monkeypat
 
     calls = []
 
-    def choose(chances, depths, base_rows, costs, model_draft):
+    def choose(chances, base_rows, costs):
         calls.append([len(c) for c in chances])
         return [0 if len(calls) % 3 == 0 else min(3, len(c)) for c in chances]
 

@@ -129,7 +129,7 @@ class Engine:
         if not self.adaptive_k:
             return caps
         kinds = [self.proposer.draft_kind(seq) for seq in seqs]
-        if len(seqs) == 1 and not self._auto_tree:
+        if len(seqs) == 1:
             return [adaptive.choose_k(seqs[0].acceptance_for(kinds[0]), self.step_costs_of(kinds[0]), caps[0])
                     if caps[0] > 0 else 0]
         base_rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs)
@@ -153,6 +153,7 @@ class Engine:
         t0 = time.perf_counter()
         self.proposer.prepare(seqs)
         ks = self._choose_ks(seqs)
+        chosen = list(ks)  # the draft length (a tree's depth) asked for, which step costs are keyed by
         kinds = [self.proposer.draft_kind(seq) for seq in seqs] if self.adaptive_k else None
         draft_forwards = self.proposer.forwards
         proposals = self._propose(seqs, ks)
@@ -234,10 +235,11 @@ class Engine:
                 # Per depth for a tree (depth d was judged when the path reached d - 1): a chain of its depth.
                 seq.acceptance_for(kinds[index]).update(k if tree is None else tree.max_depth, n)
                 # A step like every later one (no prompt, no draft catch-up), alone in its batch: its time is the
-                # cost of drafting k. Batched steps are not timed (their cost depends on the batch); nor are trees
-                # (their rows are not k + 1: the batch costs by rows count them).
-                if len(seqs) == 1 and tree is None and feed.numel() == k + 1 and not proposal.catch_up:
-                    self.step_costs_of(kinds[index]).record(k, time.perf_counter() - t0)
+                # cost of drafting k (a tree: of the depth asked for, "auto"'s choice). Batched steps are not timed
+                # (their cost depends on the batch).
+                if len(seqs) == 1 and feed.numel() == k + 1 and not proposal.catch_up:
+                    self.step_costs_of(kinds[index]).record(k if tree is None else chosen[index],
+                                                            time.perf_counter() - t0)
             # The target's token ends the step as a bonus where nothing was left to verify after the accepted
             # drafts (all k of a chain; a tree path that ends at a leaf), else as a correction.
             bonus = n == k if tree is None else not tree.children(nodes[-1] + 1 if nodes else 0)

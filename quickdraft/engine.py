@@ -253,7 +253,8 @@ class Engine:
         chains (propose_batch) for the others."""
         if self.tree is None or not self.proposer.proposes_trees:
             return self.proposer.propose_batch(seqs, ks)
-        budgets = [self._tree_budget(seq, k) for seq, k in zip(seqs, ks)]
+        row_worth = self._row_worth(seqs, ks) if self._auto_tree else 0.0
+        budgets = [self._tree_budget(seq, k, row_worth) for seq, k in zip(seqs, ks)]
         tree_rows = [i for i, budget in enumerate(budgets) if budget is not None]
         chain_rows = [i for i, budget in enumerate(budgets) if budget is None]
         proposals: list[Proposal | None] = [None] * len(seqs)
@@ -306,14 +307,35 @@ class Engine:
                 out[i] = proposals[i].pruned(sorted(order[:count]))
         return out
 
-    def _tree_budget(self, seq: Sequence, k: int) -> TreeBudget | None:
+    def _row_worth(self, seqs: list[Sequence], ks: list[int]) -> float:
+        """"auto": what one more verification row costs, as a share of the step's time (the measured target
+        cost by rows and the draft's), at the rows the chosen depths give; 0 while unmeasured. A node is worth
+        its row where its chance of being on the accepted path is above the step's expected tokens times this."""
+        rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) + k for seq, k in zip(seqs, ks))
+        kinds = [self.proposer.draft_kind(seq) for seq in seqs]
+        step = self.batch_costs.step_seconds(rows, max(ks, default=0), sum(k > 0 for k in ks), "model" in kinds)
+        now, more = self.batch_costs.target.estimate(rows, 0.0), self.batch_costs.target.estimate(rows + 1, 0.0)
+        if step is None or now is None or more is None or step <= 0:
+            return 0.0
+        return max(0.0, more - now) / step
+
+    def _tree_budget(self, seq: Sequence, k: int, row_worth: float = 0.0) -> TreeBudget | None:
         """The token tree seq may take this step: depth up to k (the step's draft cap) and the tree settings'
-        max_depth, nodes up to max_nodes and the slots left in the context; None for a chain step."""
+        max_depth, nodes up to max_nodes and the slots left in the context; None for a chain step. row_worth
+        ("auto"): a node beyond the most probable path must be worth its row (min_chance, in the draft's own
+        probabilities: the calibrated chance over the calibration factor)."""
         if k == 0 or seq.grammar is not None:
             return None
         max_nodes = min(self.tree.max_nodes, self.max_len - len(seq.token_ids))
         max_depth = min(self.tree.max_depth, k, max_nodes)
-        return TreeBudget(max_nodes, max_depth) if max_depth > 0 else None
+        if max_depth <= 0:
+            return None
+        min_chance = 0.0
+        if row_worth > 0:
+            kind = self.proposer.draft_kind(seq)
+            expected = seq.acceptance_for(kind).expected_tokens(max_depth)
+            min_chance = min(1.0, expected * row_worth / max(self._calibration(seq).factor, 1e-6))
+        return TreeBudget(max_nodes, max_depth, min_chance)
 
     @staticmethod
     def _record_prompt_logprobs(seqs: list[Sequence], feeds: list[torch.Tensor], histories: list[int],

@@ -136,10 +136,13 @@ class TreeSettings:
 
 @dataclass(frozen=True)
 class TreeBudget:
-    """The most nodes and levels one sequence's token tree may have this step (the engine's sizing of it)."""
+    """The most nodes and levels one sequence's token tree may have this step (the engine's sizing of it), and
+    the least path probability (by the draft's own estimate) a node beyond the most probable path is worth:
+    "auto" sets it from the measured cost of a verification row (0: every node within the budget)."""
 
     max_nodes: int
     max_depth: int
+    min_chance: float = 0.0
 
 
 @dataclass

@@ -216,7 +216,8 @@ class DraftModelProposer(Proposer):
         for j in grown:
             feeds[j], catch_ups[j] = self._catch_up_feed(seqs[j])
         trees = {j: DynamicTree(len(caches[j]) + len(feeds[j]), budgets[j].max_nodes, depth[j],
-                                self.runner.max_len - len(caches[j]) - len(feeds[j])) for j in grown}
+                                self.runner.max_len - len(caches[j]) - len(feeds[j]),
+                                min_chance=budgets[j].min_chance) for j in grown}
         logits = self._draft_logits([caches[j] for j in grown], [feeds[j] for j in grown], [1] * len(grown))
         for row, j in enumerate(grown):
             rank_children(seqs[j], trees[j], [-1], logits[row:row + 1])

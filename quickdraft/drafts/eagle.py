@@ -441,8 +441,8 @@ class EagleProposer(Proposer):
         rows and ranks their children; one head forward per level over all sequences."""
         logits, estimates, catch_ups = self._read_committed(seqs, heads)
         caches = {j: seqs[j].draft_state.cache for j in heads}
-        trees = {j: DynamicTree(len(caches[j]), budgets[j].max_nodes, depth[j], self.runner.max_len - len(caches[j]))
-                 for j in heads}
+        trees = {j: DynamicTree(len(caches[j]), budgets[j].max_nodes, depth[j], self.runner.max_len - len(caches[j]),
+                                min_chance=budgets[j].min_chance) for j in heads}
         estimate_of = {j: {-1: estimates[row]} for row, j in enumerate(heads)}  # node -> f^ after its path
         full = self._full_logits(logits)
         for row, j in enumerate(heads):

@@ -86,11 +86,15 @@ class DynamicTree:
     the last committed token, at base - 1) in expansion order: `attention` is the TreeAttention of a forward
     that writes the current frontier. Host-side bookkeeping only; the caller runs the forwards.
 
-    capacity: the tree slots the draft's cache can hold (no more nodes are expanded)."""
+    capacity: the tree slots the draft's cache can hold (no more nodes are expanded). min_chance: a node other
+    than its parent's most probable child is a candidate only if its path probability reaches it (TreeBudget's:
+    a sibling worth less than the row it costs is neither expanded nor proposed; 0 keeps every node)."""
 
     def __init__(self, base: int, max_nodes: int, max_depth: int, capacity: int,
-                 top_k: int = TREE_TOP_K, width: int = TREE_WIDTH):
+                 top_k: int = TREE_TOP_K, width: int = TREE_WIDTH, min_chance: float = 0.0):
         self.base, self.max_nodes, self.max_depth, self.capacity = base, max_nodes, max_depth, capacity
+        self.min_logp = math.log(min_chance) if min_chance > 0 else -math.inf
+        self.top: list[bool] = []  # whether a node is its parent's most probable child
         self.top_k = max(1, min(top_k, max_nodes))
         # A budget of a chain (max_nodes == max_depth) expands one node a level: a wider level could not be kept.
         self.width = max(1, min(width, max_nodes - max_depth + 1))
@@ -106,8 +110,18 @@ class DynamicTree:
         return -self.logp[node], self.depth[node], node  # a parent before a child of equal probability
 
     def best(self) -> list[int]:
-        """The max_nodes best candidates (closed under parents)."""
-        return sorted(range(len(self.tokens)), key=self._key)[:self.max_nodes]
+        """The max_nodes best candidates (closed under parents): by path probability, each a most probable child
+        or at least min_chance, under a kept parent."""
+        kept: list[int] = []
+        taken: set[int] = set()
+        for node in sorted(range(len(self.tokens)), key=self._key):  # a parent before its children
+            if len(kept) == self.max_nodes:
+                break
+            parent = self.parents[node]
+            if (parent < 0 or parent in taken) and (self.top[node] or self.logp[node] >= self.min_logp):
+                kept.append(node)
+                taken.add(node)
+        return kept
 
     def add_children(self, node: int, probs: torch.Tensor) -> None:
         """The top_k tokens of `probs` [V] (the draft's probabilities after `node`'s path; -1: the root) that have
@@ -117,9 +131,10 @@ class DynamicTree:
         values, ids = torch.topk(probs.double(), min(self.top_k, probs.shape[-1]))
         base_logp = self.logp[node] if node >= 0 else 0.0
         depth = self.depth[node] + 1 if node >= 0 else 1
-        for value, token in zip(values.tolist(), ids.tolist()):
+        for rank, (value, token) in enumerate(zip(values.tolist(), ids.tolist())):
             if value <= 0.0:
                 break
+            self.top.append(rank == 0)
             self.tokens.append(int(token))
             self.parents.append(node)
             self.depth.append(depth)

@@ -357,3 +357,18 @@ def test_draft_model_tree_on_the_kernels_is_the_tree_of_its_paths_in_a_line(view
     assert tree.tree is not None and tree.tokens.numel() == 12 and tree.tree.max_depth > 1
     assert tree.tokens.tolist() == line.tokens.tolist()
     assert tree.tree.parents.tolist() == line.tree.parents.tolist()
+
+
+def test_dynamic_tree_min_chance_keeps_the_most_probable_path_and_siblings_worth_a_row():
+    """min_chance ("auto"'s price of a row): a node that is not its parent's most probable child is kept only if
+    its path probability reaches it; the most probable path stays whatever its probability."""
+    tree = DynamicTree(10, max_nodes=8, max_depth=3, capacity=32, top_k=3, min_chance=0.15)
+    tree.add_children(-1, torch.tensor([0.0, 0.7, 0.2, 0.1]))  # nodes 0: token 1 (0.7), 1: token 2, 2: token 3
+    assert sorted(tree.best()) == [0, 1]  # 0.1 < 0.15
+    tree.add_children(0, torch.tensor([0.1, 0.15, 0.05, 0.7]))  # under 0.7: 0.49 (top), 0.105, 0.07
+    tree.add_children(1, torch.tensor([0.45, 0.55, 0.0, 0.0]))  # under 0.2: 0.11 (top), 0.09
+    best = tree.best()
+    assert [tree.path(n) for n in sorted(best, key=tree._key)] == [[1], [1, 3], [2], [2, 1]]
+    everything = DynamicTree(10, max_nodes=8, max_depth=3, capacity=32, top_k=3)
+    everything.add_children(-1, torch.tensor([0.0, 0.7, 0.2, 0.1]))
+    assert len(everything.best()) == 3

@@ -94,7 +94,9 @@ class RequestMetrics:
                 "accepted_tokens": self.accepted_tokens, "acceptance_rate": self.acceptance_rate,
                 "mean_acceptance_length": self.mean_acceptance_length,
                 "tokens_per_target_forward": self.tokens_per_target_forward,
-                "accepted_per_position": list(self.accepted_per_position), "lossy": self.lossy}
+                "accepted_per_position": list(self.accepted_per_position),
+                "tree_steps": self.tree_steps, "accepted_path_lengths": list(self.accepted_path_lengths),
+                "lossy": self.lossy}
 
     def _bump(self, name: str, position: int, delta: int) -> None:
         counts = getattr(self, name)

@@ -90,7 +90,8 @@ def check_results(results: list[dict], expected: list[dict]) -> None:
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
         assert set(result["spec_decode"]) == {"num_drafts", "draft_tokens", "accepted_tokens", "acceptance_rate",
                                               "mean_acceptance_length", "tokens_per_target_forward",
-                                              "accepted_per_position", "lossy"}
+                                              "accepted_per_position", "tree_steps", "accepted_path_lengths",
+                                              "lossy"}
         assert result["spec_decode"]["lossy"] is False
     by_id = {r["id"]: r for r in results}
     assert by_id["text"]["finish_reason"] == "length" and by_id["text"]["usage"]["completion_tokens"] == 12

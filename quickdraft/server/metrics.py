@@ -47,6 +47,9 @@ class ServerMetrics:
         self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.spec_accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by position in the draft.", ("position",))
+        self.tree_steps = counter("quickdraft:spec_decode_num_tree_steps", "Drafting steps that verified a token tree.")
+        self.tree_path_lengths = counter("quickdraft:spec_decode_tree_path_length",
+                                         "Token-tree steps, by the length of their accepted path.", ("length",))
         self.running = gauge("vllm:num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Sequences waiting to be admitted.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of the KV cache budget held by requests; "
@@ -92,3 +95,8 @@ class ServerMetrics:
                 self.spec_accepted_tokens.labels(name).inc(metrics.accepted_tokens)
             for position, accepted in enumerate(metrics.accepted_per_position):
                 self.spec_accepted_per_pos.labels(name, str(position)).inc(accepted)
+            if metrics.tree_steps:
+                self.tree_steps.labels(name).inc(metrics.tree_steps)
+                for length, steps in enumerate(metrics.accepted_path_lengths):
+                    if steps:
+                        self.tree_path_lengths.labels(name, str(length)).inc(steps)

@@ -158,7 +158,9 @@ class SpecDecodeStats(BaseModel):
     acceptance_rate: float | None
     mean_acceptance_length: float | None
     tokens_per_target_forward: float | None
-    accepted_per_position: list[int]
+    accepted_per_position: list[int]  # by draft position (a token tree's: by depth)
+    tree_steps: int = 0  # drafting steps that verified a token tree
+    accepted_path_lengths: list[int] = Field(default_factory=list)  # tree steps by accepted path length
     # True when the server verifies with the LOSSY relaxed acceptance its operator asked for: the text is then
     # not distributed as the model's own.
     lossy: bool = False

@@ -404,3 +404,25 @@ def test_structured_outputs_and_response_format(llm):
             response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w1"}],
                                                                  **body})
             assert response.status_code == 400 and response.json()["error"]["param"] == param, (body, response.text)
+
+
+def test_metrics_count_token_trees(llm):
+    """With token trees (a draft model's EAGLE-2 trees: layer_skip keeping every layer, the target itself as its
+    own draft, so paths are accepted), each response's spec_decode and /metrics count the tree steps and their
+    accepted path lengths."""
+    tree_llm = llm.with_speculative_config({"method": "layer_skip", "num_layers": llm.target.num_layers,
+                                            "num_speculative_tokens": 3, "adaptive": False,
+                                            "tree": {"max_nodes": 6, "max_depth": 3}})
+    with client_for(tree_llm) as client:
+        responses = [client.post("/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0}).json()
+                     for p in (REPEATING, OTHER)]
+        text = client.get("/metrics").text
+    labels = {"model_name": MODEL_NAME}
+    spec = [r["spec_decode"] for r in responses]
+    steps = sum(s["tree_steps"] for s in spec)
+    assert steps > 0 and all(sum(s["accepted_path_lengths"]) == s["tree_steps"] for s in spec)
+    assert metric(text, "quickdraft:spec_decode_num_tree_steps_total", **labels) == steps
+    for length in range(4):
+        want = sum(s["accepted_path_lengths"][length] for s in spec if len(s["accepted_path_lengths"]) > length)
+        if want:
+            assert metric(text, "quickdraft:spec_decode_tree_path_length_total", length=str(length), **labels) == want

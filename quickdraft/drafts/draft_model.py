@@ -24,7 +24,7 @@ import torch
 
 from quickdraft import sampling
 from quickdraft.drafts.base import DraftOptions, Proposal, Proposer, TreeBudget
-from quickdraft.drafts.trees import DynamicTree, deterministic_tree_proposal, rank_children
+from quickdraft.drafts.trees import DynamicTree, deterministic_tree_proposal, grow_trees
 from quickdraft.drafts.vocab_mapping import IdentityMapping, IntersectionMapping, Translation, same_vocabulary
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.base import QUANTIZATION_SCHEMES
@@ -219,21 +219,14 @@ class DraftModelProposer(Proposer):
                                 self.runner.max_len - len(caches[j]) - len(feeds[j]),
                                 min_chance=budgets[j].min_chance) for j in grown}
         logits = self._draft_logits([caches[j] for j in grown], [feeds[j] for j in grown], [1] * len(grown))
-        for row, j in enumerate(grown):
-            rank_children(seqs[j], trees[j], [-1], logits[row:row + 1])
-        for level in range(1, max(depth[j] for j in grown)):
-            rows = [j for j in grown if trees[j].next_frontier(level)]
-            if not rows:
-                break
-            frontier_tokens = [torch.tensor([trees[j].tokens[n] for n in trees[j].frontier], dtype=torch.long)
-                               for j in rows]
-            logits = self._draft_logits([caches[j] for j in rows],
-                                        [self.mapping.to_draft_tokens(t).to(self.runner.device) for t in frontier_tokens],
-                                        [len(t) for t in frontier_tokens], trees=[trees[j].attention() for j in rows])
-            offset = 0
-            for j, t in zip(rows, frontier_tokens):
-                rank_children(seqs[j], trees[j], trees[j].frontier, logits[offset:offset + len(t)])
-                offset += len(t)
+
+        def forward_level(rows: list[int]) -> torch.Tensor:  # the frontiers as tree rows of one draft forward
+            frontier = [torch.tensor([trees[j].tokens[n] for n in trees[j].frontier], dtype=torch.long) for j in rows]
+            return self._draft_logits([caches[j] for j in rows],
+                                      [self.mapping.to_draft_tokens(t).to(self.runner.device) for t in frontier],
+                                      [len(t) for t in frontier], trees=[trees[j].attention() for j in rows])
+
+        grow_trees(seqs, trees, logits, max(depth[j] for j in grown), forward_level)
         for j in grown:
             tree, state = trees[j], seqs[j].draft_state
             caches[j].rollback(tree.base)  # the committed history: the tree's slots are no path

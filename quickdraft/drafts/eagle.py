@@ -47,7 +47,7 @@ from torch import nn
 from quickdraft import sampling
 from quickdraft.drafts.base import Proposal, Proposer, TreeBudget, spelling_argument
 from quickdraft.drafts.suffix import SuffixOptions, SuffixProposer, SuffixState, lookup_else_model
-from quickdraft.drafts.trees import DynamicTree, deterministic_tree_proposal, rank_children
+from quickdraft.drafts.trees import DynamicTree, deterministic_tree_proposal, grow_trees
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.linear import DenseLinear
 from quickdraft.models.native import NativeRunner, supports
@@ -444,31 +444,26 @@ class EagleProposer(Proposer):
         trees = {j: DynamicTree(len(caches[j]), budgets[j].max_nodes, depth[j], self.runner.max_len - len(caches[j]),
                                 min_chance=budgets[j].min_chance) for j in heads}
         estimate_of = {j: {-1: estimates[row]} for row, j in enumerate(heads)}  # node -> f^ after its path
-        full = self._full_logits(logits)
-        for row, j in enumerate(heads):
-            rank_children(seqs[j], trees[j], [-1], full[row:row + 1])
-        for level in range(1, max(depth[j] for j in heads)):
-            rows = [j for j in heads if trees[j].next_frontier(level)]
-            if not rows:
-                break
+
+        def forward_level(rows: list[int]) -> torch.Tensor:  # the frontiers, fused with their parents' f^
             tokens, inputs = [], []
             for j in rows:
                 tree = trees[j]
                 ids = torch.tensor([tree.tokens[n] for n in tree.frontier], dtype=torch.long, device=self.runner.device)
-                parents = torch.stack([estimate_of[j][tree.parents[n]] for n in tree.frontier])
                 tokens.append(ids)
-                inputs.append(self._fuse(parents, ids))
+                inputs.append(self._fuse(torch.stack([estimate_of[j][tree.parents[n]] for n in tree.frontier]), ids))
             logits, hidden = self.runner.forward_batch([caches[j] for j in rows], tokens, [len(t) for t in tokens],
                                                        inputs_embeds=inputs, return_hidden=True,
                                                        trees=[trees[j].attention() for j in rows])
             self.forwards += 1
-            full, offset = self._full_logits(logits), 0
-            for j, ids in zip(rows, tokens):
-                frontier = trees[j].frontier
-                for n, r in zip(frontier, range(offset, offset + len(ids))):
-                    estimate_of[j][n] = hidden[r]
-                rank_children(seqs[j], trees[j], frontier, full[offset:offset + len(ids)])
-                offset += len(ids)
+            row = 0
+            for j in rows:  # each frontier node's estimate of the position after it
+                for n in trees[j].frontier:
+                    estimate_of[j][n] = hidden[row]
+                    row += 1
+            return self._full_logits(logits)
+
+        grow_trees(seqs, trees, self._full_logits(logits), max(depth[j] for j in heads), forward_level)
         out = []
         for j in heads:
             caches[j].rollback(trees[j].base)  # the committed positions: the tree's slots are no path

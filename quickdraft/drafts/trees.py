@@ -199,3 +199,22 @@ def rank_children(seq, tree: DynamicTree, nodes: list[int], logits: torch.Tensor
         probs = processed
     for node, row in zip(nodes, probs):
         tree.add_children(node, row)
+
+
+def grow_trees(seqs, trees: dict[int, DynamicTree], root_logits: torch.Tensor, levels: int, forward_level) -> None:
+    """Grow each sequence's DynamicTree level by level (EAGLE-2): rank the root's children from root_logits
+    [len(trees), V_target] (a row per tree, in the dict's order), then for each level below `levels` let every
+    tree that has nodes worth expanding pick its frontier, run forward_level(rows) (ONE draft forward writing the
+    frontiers of trees[j], j in rows, in that order; it returns their logits [sum of frontiers, V_target]) and
+    rank the frontier's children. seqs[j] is the sequence of trees[j]."""
+    for row, j in enumerate(trees):
+        rank_children(seqs[j], trees[j], [-1], root_logits[row:row + 1])
+    for level in range(1, levels):
+        rows = [j for j in trees if trees[j].next_frontier(level)]
+        if not rows:
+            break
+        logits, offset = forward_level(rows), 0
+        for j in rows:
+            count = len(trees[j].frontier)
+            rank_children(seqs[j], trees[j], trees[j].frontier, logits[offset:offset + count])
+            offset += count

@@ -17,10 +17,7 @@ from quickdraft.models.base import TreeAttention
 def tree_positions(tree: TreeAttention) -> torch.Tensor:
     """[end] the position of every slot 0..end-1 (int64, on the CPU): the slot below base, base + depth - 1 in
     the tree."""
-    positions = torch.arange(tree.end)
-    if tree.parents:
-        positions[tree.base:] = tree.base - 1 + torch.tensor(tree.depths())
-    return positions
+    return torch.tensor(tree.positions(0, tree.end), dtype=torch.long)
 
 
 def tree_visibility(tree: TreeAttention, start: int, window: int | None = None) -> torch.Tensor:

@@ -53,6 +53,7 @@ struct Activations {
   std::vector<int8_t> digits_;
   std::vector<float> scale;        // [M, K / block]
   std::vector<int32_t> sum16;      // [M, K / 16]: sum of v over each 16 inputs
+  std::vector<int32_t> digit_sum16;  // [rows * digits, K / 16]: sum of each digit over each 16 inputs
   std::vector<float> sum32;        // [M, K / 32]: s * sum of v over each 32 (the mins' term)
   const int8_t* digit(int64_t m, int e) const { return digits_.data() + (m * digits + e) * K; }
 };
@@ -83,13 +84,17 @@ void quantize_row(const c10::BFloat16* x, Activations& a, int64_t m) {
       if (a.nibble_order) v = _mm512_permutexvar_epi32(order, v);
       a.sum16[at / 16] = _mm512_reduce_add_epi32(v);
       int8_t* high = a.digits_.data() + (m * a.digits) * K + b * B + k;
+      int32_t* digit_sums = a.digit_sum16.data() + (m * a.digits) * (K / 16) + (b * B + k) / 16;
       if (a.digits == 1) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(high), _mm512_cvtepi32_epi8(v));
+        digit_sums[0] = a.sum16[at / 16];
       } else {
         const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(128)), 8);
         const __m512i l = _mm512_sub_epi32(v, _mm512_slli_epi32(h, 8));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(high), _mm512_cvtepi32_epi8(h));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(high + K), _mm512_cvtepi32_epi8(l));
+        digit_sums[0] = _mm512_reduce_add_epi32(h);
+        digit_sums[K / 16] = _mm512_reduce_add_epi32(l);
       }
     }
   }
@@ -106,6 +111,7 @@ void quantize(const c10::BFloat16* x, int64_t M, int64_t rows, int64_t K, int64_
   a.digits_.assign(rows * digits * K, 0);
   a.scale.assign(rows * (K / block), 0.0f);
   a.sum16.assign(rows * (K / 16), 0);
+  a.digit_sum16.assign(rows * digits * (K / 16), 0);
   a.sum32.assign(rows * (K / 32), 0.0f);
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) quantize_row(x + m * K, a, m);
@@ -141,6 +147,8 @@ struct Q4_KV : Q4_KLayout {
   static void codes(const uint8_t* c, int u, __m512i& a, __m512i& b) { Q4_0V::codes(c, u, a, b); }
   static __m512 super_scale(const uint8_t* c) { return half16(c + 2048); }  // d
   static __m512 sub_scale(const uint8_t* c, int j) { return u8x16(c + 2112 + 16 * j); }  // sc_j, an integer
+  static __m512i sub_scale_int(const uint8_t* c, int j) { return u8x16i(c + 2112 + 16 * j); }
+  static constexpr bool kSignedProducts = false;  // (q - z) sc_j in 0 .. 945: its high byte 0 .. 3
   static void mins(const uint8_t* c, __m512* mn) {  // -dmin * m_j
     const __m512 minus_dmin = _mm512_sub_ps(_mm512_setzero_ps(), half16(c + 2080));
     for (int j = 0; j < kSubs; ++j) mn[j] = _mm512_mul_ps(u8x16(c + 2240 + 16 * j), minus_dmin);
@@ -170,6 +178,8 @@ struct Q6_KV : Q6_KLayout {
   }
   static __m512 super_scale(const uint8_t* c) { return half16(c + 3072); }  // d
   static __m512 sub_scale(const uint8_t* c, int j) { return i8x16(c + 3104 + 16 * j); }  // sc_j, an integer
+  static __m512i sub_scale_int(const uint8_t* c, int j) { return i8x16i(c + 3104 + 16 * j); }
+  static constexpr bool kSignedProducts = true;  // (q - z) sc_j in -4064 .. 4096: its high byte -16 .. 16
   static void mins(const uint8_t*, __m512*) {}
 };
 
@@ -207,8 +217,15 @@ inline __m512 add_block(__m512 total, __m512i dot, __m512 d, __m512 mn, float s,
   return total;
 }
 
-inline __m512 add_sub_block(__m512 part, __m512i dot, __m512 sc) {
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, part);
+// K-quants: a super-block's sum_j sc_j dot_j, one exact int32 per digit (tile(): sc_j times each sub-block's dot;
+// amx_super_groups(): one tile product over the super-block with sc_j folded into the codes), as one float32:
+// h 256 + l with two digits (a sum too wide for int32 when the digits are joined first).
+template <int D>
+inline __m512 super_block_part(const __m512i* whole) {
+  if constexpr (D == 2)
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole[0]), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(whole[1]));
+  else
+    return _mm512_cvtepi32_ps(whole[0]);
 }
 
 // mn[j] = -dmin m_j, sum32[j] = s * sum v over sub-block j (Q4_K's sub-blocks are 32 inputs)
@@ -254,19 +271,26 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_byte
       for (int line = 0; line < Q::kChunk; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(chunk[j] + kAhead * Q::kChunk + line), _MM_HINT_T0);
     const int64_t k0 = b * Q::SB;
-    __m512 part[MR][NB];  // K-quants: the super-block's sum of sc_j float(dot_j)
-    for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < NB; ++j) part[m][j] = _mm512_setzero_ps();
+    __m512i whole[MR][NB][D];  // K-quants: the super-block's sum_j sc_j dot_j, per digit (super_block_part)
+    if constexpr (kSuper)
+      for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < NB; ++j)
+          for (int e = 0; e < D; ++e) whole[m][j][e] = _mm512_setzero_si512();
     for (int s = 0; s < Q::kSubs; ++s) {
       const int64_t ks = k0 + s * Q::kSubK;
       __m512i acc[MR][NB], acc_low[MR][NB];
       for (int m = 0; m < MR; ++m) {
-        // the zero point: - z * sum v, as the starting value of the (last) accumulator
-        int32_t sum = sum16[m][ks / 16];
-        if (Q::kSubK == 32) sum += sum16[m][ks / 16 + 1];
-        const __m512i start = _mm512_set1_epi32(-Q::kZero * sum);
+        // the zero point, as the starting value of the accumulators: blocks of 32, - z * sum v on the (last)
+        // digit's; K-quants, - z * (sum of the digit) on each digit's (their dots stay apart: super_block_part)
+        const int32_t* sums = kSuper ? a.digit_sum16.data() + (m0 + m) * D * (K / 16) : sum16[m];
+        auto sum_of = [&](int e) {
+          const int32_t* at = sums + e * (K / 16) + ks / 16;
+          return Q::kSubK == 32 ? at[0] + at[1] : at[0];
+        };
+        const __m512i start = _mm512_set1_epi32(-Q::kZero * sum_of(0));
         for (int j = 0; j < NB; ++j) {
-          if constexpr (D == 2) acc[m][j] = _mm512_setzero_si512(), acc_low[m][j] = start;
+          if constexpr (D == 2 && kSuper) acc[m][j] = start, acc_low[m][j] = _mm512_set1_epi32(-Q::kZero * sum_of(1));
+          else if constexpr (D == 2) acc[m][j] = _mm512_setzero_si512(), acc_low[m][j] = start;
           else acc[m][j] = start;
         }
       }
@@ -289,14 +313,19 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_byte
         }
       }
       for (int j = 0; j < NB; ++j) {
-        const __m512 sc = Q::sub_scale(chunk[j], s);
-        __m512 mn = _mm512_setzero_ps();
-        if constexpr (!kSuper) mn = Q::sub_min(chunk[j], s);
-        for (int m = 0; m < MR; ++m) {
-          __m512i dot = acc[m][j];
-          if constexpr (D == 2) dot = combine(dot, acc_low[m][j]);
-          if constexpr (kSuper) part[m][j] = add_sub_block(part[m][j], dot, sc);
-          else total[m][j] = add_block<Q>(total[m][j], dot, sc, mn, scale[m][ks / a.block], sum32[m][ks / 32]);
+        if constexpr (kSuper) {
+          const __m512i sc = Q::sub_scale_int(chunk[j], s);
+          for (int m = 0; m < MR; ++m) {
+            whole[m][j][0] = _mm512_add_epi32(whole[m][j][0], _mm512_mullo_epi32(acc[m][j], sc));
+            if constexpr (D == 2) whole[m][j][1] = _mm512_add_epi32(whole[m][j][1], _mm512_mullo_epi32(acc_low[m][j], sc));
+          }
+        } else {
+          const __m512 sc = Q::sub_scale(chunk[j], s), mn = Q::sub_min(chunk[j], s);
+          for (int m = 0; m < MR; ++m) {
+            __m512i dot = acc[m][j];
+            if constexpr (D == 2) dot = combine(dot, acc_low[m][j]);
+            total[m][j] = add_block<Q>(total[m][j], dot, sc, mn, scale[m][ks / a.block], sum32[m][ks / 32]);
+          }
         }
       }
     }
@@ -306,7 +335,8 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_byte
         __m512 mn[Q::kMin ? Q::kSubs : 1];
         Q::mins(chunk[j], mn);
         for (int m = 0; m < MR; ++m)
-          total[m][j] = add_super_block<Q>(total[m][j], part[m][j], d, scale[m][b], mn, sum32[m] + k0 / 32);
+          total[m][j] = add_super_block<Q>(total[m][j], super_block_part<D>(whole[m][j]), d, scale[m][b], mn,
+                                           sum32[m] + k0 / 32);
       }
     }
   }
@@ -342,11 +372,10 @@ void groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y
 }
 
 // --- AMX-INT8 tiles, for many rows -------------------------------------------------------------------------
-// The same integer dot products on tiles. For a sub-block, the B tile is the code vectors as codes() gives them
-// (row 2i + half: 4 inputs of 16 outputs, 64 bytes: exactly AMX's B layout), the A tile TR rows of activation
-// digits (the same bytes in the same order: with two digits, the high and low digit of TR / 2 rows, interleaved),
-// and C[r][n] the exact int32 dot; the float finish is tile()'s, op for op, so each row's outputs are bitwise those
-// of the vpdpbusd kernel (integer sums have no rounding).
+// The same integer dot products on tiles, the float finish tile()'s op for op, so each row's outputs are bitwise
+// those of the vpdpbusd kernel (integer sums have no rounding). The A tile is TR rows of activation digits (with
+// two digits, the high and low digit of TR / 2 rows, interleaved: one tile product for both), in the order the
+// codes are stored (a B tile row is 4 inputs of 16 outputs, 64 bytes: exactly AMX's B layout).
 
 struct TileConfig {
   uint8_t palette_id = 1;
@@ -356,27 +385,26 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Groups [g0, g1), one at a time; rows in passes of R = TR / D (the activations are padded with zero rows to a
-// multiple of R). B holds the codes less their zero point (signed bytes, tdpbssd): the same integer as the
-// vpdpbusd kernel's sum q v - z sum v, without the correction. Eight sub-blocks' codes are unpacked at a time,
-// once for all passes, and a pass's tile products all issued before any is finished, so that the tiles' latency
-// overlaps (measured: a sub-block at a time, unpack, multiply, finish, ran no faster than vpdpbusd). Tiles 0/1 A,
-// 2/5 B, 3/4 C, alternating by sub-block.
+// Blocks of 32 (a float scale each): groups [g0, g1), one at a time; rows in passes of R = TR / D (the activations
+// are padded with zero rows to a multiple of R). For a block, B holds the codes less their zero point (signed
+// bytes, tdpbssd): the same integer as the vpdpbusd kernel's sum q v - z sum v. Eight blocks' codes are unpacked at
+// a time, once for all passes, and a pass's tile products all issued before any is finished, so that the tiles'
+// latency overlaps (measured: a block at a time, unpack, multiply, finish, ran no faster than vpdpbusd). Tiles
+// 0/1 A, 2/5 B, 3/4 C, alternating by block.
 template <class Q, int D, int TR, class Y>
 __attribute__((target("avx512vnni,amx-tile,amx-int8")))
 void amx_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y, int64_t ldy) {
+  static_assert(Q::kSubs == 1, "K-quants run on amx_super_groups");
   constexpr int R = TR / D;
-  constexpr bool kSuper = Q::kSubs > 1;
-  const int64_t M = a.M, K = a.K, super_blocks = K / Q::SB, group_bytes = super_blocks * Q::kChunk;
+  const int64_t M = a.M, K = a.K, blocks = K / Q::SB, group_bytes = blocks * Q::kChunk;
   const int64_t passes = (M + R - 1) / R, scales_per_row = K / a.block;
   constexpr int kUnits = Q::kSubK / 8, kRowsB = Q::kSubK / 4;
-  constexpr int kBatch = 8;  // sub-blocks unpacked and multiplied before the first of them is finished
+  constexpr int kBatch = 8;  // blocks unpacked and multiplied before the first of them is finished
   constexpr int kAhead = (8192 + Q::kChunk - 1) / Q::kChunk;
-  const int64_t subs = super_blocks * Q::kSubs;  // sub-block t: chunk t / kSubs, its sub-block t % kSubs
   alignas(64) uint8_t codes[kBatch][kRowsB * 64];
-  alignas(64) int32_t dots[kBatch][TR * 16];  // [sub-block][row * D + digit][output]
-  std::vector<float> total(passes * R * 16), part(kSuper ? passes * R * 16 : 0);  // [row][output]
-  auto at = [](std::vector<float>& v, int64_t row) { return v.data() + row * 16; };
+  alignas(64) int32_t dots[kBatch][TR * 16];  // [block][row * D + digit][output]
+  std::vector<float> total(passes * R * 16);  // [row][output]
+  auto at = [&](int64_t row) { return total.data() + row * 16; };
   TileConfig config;
   for (int t : {0, 1}) config.rows[t] = TR, config.colsb[t] = Q::kSubK;
   for (int t : {2, 5}) config.rows[t] = kRowsB, config.colsb[t] = 64;
@@ -386,18 +414,15 @@ void amx_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, 
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wg = w + g * group_bytes;
     std::fill(total.begin(), total.end(), 0.0f);
-    std::fill(part.begin(), part.end(), 0.0f);
-    for (int64_t t0 = 0; t0 < subs; t0 += kBatch) {
-      const int batch = static_cast<int>(std::min<int64_t>(kBatch, subs - t0));
+    for (int64_t t0 = 0; t0 < blocks; t0 += kBatch) {
+      const int batch = static_cast<int>(std::min<int64_t>(kBatch, blocks - t0));
       for (int i = 0; i < batch; ++i) {
-        const int64_t t = t0 + i;
-        const uint8_t* chunk = wg + (t / Q::kSubs) * Q::kChunk;
-        if (t % Q::kSubs == 0)
-          for (int line = 0; line < Q::kChunk; line += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead * Q::kChunk + line), _MM_HINT_T0);
+        const uint8_t* chunk = wg + (t0 + i) * Q::kChunk;
+        for (int line = 0; line < Q::kChunk; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead * Q::kChunk + line), _MM_HINT_T0);
         for (int u = 0; u < kUnits; ++u) {
           __m512i ca, cb;
-          Q::codes(chunk, static_cast<int>(t % Q::kSubs) * kUnits + u, ca, cb);
+          Q::codes(chunk, u, ca, cb);
           if constexpr (Q::kZero != 0) ca = _mm512_sub_epi8(ca, zero_point), cb = _mm512_sub_epi8(cb, zero_point);
           _mm512_store_si512(codes[i] + (2 * u) * 64, ca);
           _mm512_store_si512(codes[i] + (2 * u + 1) * 64, cb);
@@ -415,45 +440,139 @@ void amx_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, 
             _tile_zero(4); _tile_dpbssd(4, 1, 5); _tile_stored(4, dots[i], 64);
           }
         }
-        // the finish of tile(), op for op; acc: the pass's rows' part (K-quants) or total (blocks of 32)
-        std::vector<float>& kept = kSuper ? part : total;
         __m512 acc[R];
-        for (int m = 0; m < R; ++m) acc[m] = _mm512_loadu_ps(at(kept, r0 + m));
+        for (int m = 0; m < R; ++m) acc[m] = _mm512_loadu_ps(at(r0 + m));
         for (int i = 0; i < batch; ++i) {
           const int64_t t = t0 + i, ks = t * Q::kSubK;
-          const uint8_t* chunk = wg + (t / Q::kSubs) * Q::kChunk;
-          const int s = static_cast<int>(t % Q::kSubs);
-          const __m512 sc = Q::sub_scale(chunk, s);
-          __m512 mn = _mm512_setzero_ps();
-          if constexpr (!kSuper) mn = Q::sub_min(chunk, s);
+          const uint8_t* chunk = wg + t * Q::kChunk;
+          const __m512 sc = Q::sub_scale(chunk, 0), mn = Q::sub_min(chunk, 0);
           for (int m = 0; m < R; ++m) {
             __m512i dot = _mm512_load_si512(dots[i] + (m * D) * 16);
             if constexpr (D == 2) dot = combine(dot, _mm512_load_si512(dots[i] + (m * D + 1) * 16));
             const int64_t row = r0 + m;
-            if constexpr (kSuper) acc[m] = add_sub_block(acc[m], dot, sc);
-            else acc[m] = add_block<Q>(acc[m], dot, sc, mn, a.scale[row * scales_per_row + ks / a.block],
-                                       a.sum32[row * (K / 32) + ks / 32]);
-          }
-          if constexpr (kSuper) {
-            if (s == Q::kSubs - 1) {  // the super-block's last sub-block
-              const int64_t sb = t / Q::kSubs;
-              const __m512 d = Q::super_scale(chunk);
-              __m512 mns[Q::kMin ? Q::kSubs : 1];
-              Q::mins(chunk, mns);
-              for (int m = 0; m < R; ++m) {
-                const int64_t row = r0 + m;
-                _mm512_storeu_ps(at(total, row), add_super_block<Q>(_mm512_loadu_ps(at(total, row)), acc[m], d,
-                                                                    a.scale[row * scales_per_row + sb], mns,
-                                                                    a.sum32.data() + row * (K / 32) + sb * (Q::SB / 32)));
-                acc[m] = _mm512_setzero_ps();
-              }
-            }
+            acc[m] = add_block<Q>(acc[m], dot, sc, mn, a.scale[row * scales_per_row + ks / a.block],
+                                  a.sum32[row * (K / 32) + ks / 32]);
           }
         }
-        for (int m = 0; m < R; ++m) _mm512_storeu_ps(at(kept, r0 + m), acc[m]);
+        for (int m = 0; m < R; ++m) _mm512_storeu_ps(at(r0 + m), acc[m]);
       }
     }
-    for (int64_t m = 0; m < M; ++m) store16(y + m * ldy + g * 16, _mm512_loadu_ps(at(total, m)));
+    for (int64_t m = 0; m < M; ++m) store16(y + m * ldy + g * 16, _mm512_loadu_ps(at(m)));
+  }
+  _tile_release();
+}
+
+// K-quants (Q4_K, Q6_K): the sub-block scales folded into the codes, so that one tile product spans a
+// super-block and its finish is once a super-block, not once a sub-block. p = (q - z) sc_j is an int16 (Q4_K 0 ..
+// 945, Q6_K -4064 .. 4096); its low bytes (unsigned, tdpbsud) and high bytes (tdpbsud or, signed, tdpbssd) are
+// two B tiles, and C_low + 256 C_high is the vpdpbusd kernel's sum_j sc_j dot_j per digit, exactly (|.| < 2^28).
+// A super-block's B tiles are built once (in L1) for all passes of 8 or 16 rows, so a row costs a few tile
+// products and its finish; the products of 4 x 64 inputs accumulate in two pairs of C tiles (even and odd
+// 64-input steps) so that consecutive products do not wait for each other. Tiles: 0/1 A, 2/3 B (low/high), 4..7 C.
+template <class Q, int D, int TR, class Y>
+__attribute__((target("avx512vnni,avx512bw,avx512vbmi,amx-tile,amx-int8")))
+void amx_super_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y, int64_t ldy) {
+  static_assert(Q::SB == 256, "super-blocks of 256 inputs");
+  constexpr int R = TR / D, kSteps = Q::SB / 64, kUnitsPerSub = Q::kSubK / 8;
+  const int64_t M = a.M, K = a.K, super_blocks = K / Q::SB, group_bytes = super_blocks * Q::kChunk;
+  const int64_t passes = (M + R - 1) / R, scales_per_row = K / a.block;
+  constexpr int kAhead = (8192 + Q::kChunk - 1) / Q::kChunk;
+  alignas(64) uint8_t low[kSteps * 16 * 64], high[kSteps * 16 * 64];  // B: [64-input step][4 inputs][16 outputs]
+  alignas(64) int32_t dots[4][TR * 16];  // C: low even, high even, low odd, high odd steps: [row * D + digit][output]
+  std::vector<float> total(passes * R * 16);  // [row][output]
+  TileConfig config;
+  for (int t : {0, 1}) config.rows[t] = TR, config.colsb[t] = 64;
+  for (int t : {2, 3}) config.rows[t] = 16, config.colsb[t] = 64;
+  for (int t : {4, 5, 6, 7}) config.rows[t] = TR, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+  const __m512i byte = _mm512_set1_epi32(0xFF), word = _mm512_set1_epi32(0xFFFF);
+  alignas(64) uint8_t index[2][64];  // byte 2w + o of the result: byte 2w (low) or 2w + 1 (high) of pe (o = 0), po
+  for (int i = 0; i < 64; ++i) index[0][i] = (i & ~1) + 64 * (i & 1), index[1][i] = index[0][i] + 1;
+  const __m512i low_bytes = _mm512_load_si512(index[0]), high_bytes = _mm512_load_si512(index[1]);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = w + g * group_bytes;
+    std::fill(total.begin(), total.end(), 0.0f);
+    for (int64_t b = 0; b < super_blocks; ++b) {
+      const uint8_t* chunk = wg + b * Q::kChunk;
+      for (int line = 0; line < Q::kChunk; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead * Q::kChunk + line), _MM_HINT_T0);
+      for (int s = 0; s < Q::kSubs; ++s) {
+        // sc_j of each output as the signed byte of the even (odd) byte of each 16-bit word: vpmaddubsw's
+        // products of the even (odd) codes, q sc_j, one a word; z sc_j in each word of an output's lane
+        const __m512i sc = Q::sub_scale_int(chunk, s);
+        const __m512i sc_bytes = _mm512_and_si512(sc, byte);
+        const __m512i even = _mm512_or_si512(sc_bytes, _mm512_slli_epi32(sc_bytes, 16));
+        const __m512i odd = _mm512_slli_epi32(even, 8);
+        const __m512i z_sc = _mm512_mullo_epi32(sc, _mm512_set1_epi32(Q::kZero));
+        const __m512i z_words = _mm512_or_si512(_mm512_and_si512(z_sc, word), _mm512_slli_epi32(z_sc, 16));
+        for (int i = 0; i < kUnitsPerSub; ++i) {
+          const int u = s * kUnitsPerSub + i;
+          __m512i code[2];
+          Q::codes(chunk, u, code[0], code[1]);
+          for (int half = 0; half < 2; ++half) {
+            __m512i pe = _mm512_maddubs_epi16(code[half], even), po = _mm512_maddubs_epi16(code[half], odd);
+            if constexpr (Q::kZero != 0) pe = _mm512_sub_epi16(pe, z_words), po = _mm512_sub_epi16(po, z_words);
+            const int row = 2 * u + half;  // of the super-block's 64 B rows
+            // the low (high) bytes of the even inputs' and the odd inputs' products, interleaved: one byte
+            // permute of two sources each (vpermt2b)
+            _mm512_store_si512(low + row * 64, _mm512_permutex2var_epi8(pe, low_bytes, po));
+            _mm512_store_si512(high + row * 64, _mm512_permutex2var_epi8(pe, high_bytes, po));
+          }
+        }
+      }
+      const __m512 d = Q::super_scale(chunk);
+      __m512 mn[Q::kMin ? Q::kSubs : 1];
+      Q::mins(chunk, mn);
+      // Passes two at a time share the B tiles (C 4/5 the first's, 6/7 the second's); a pass alone splits its
+      // products by even and odd 64-input steps instead (C 4/5 and 6/7), so that no product waits for the last.
+      for (int64_t p = 0; p < passes; p += 2) {
+        const bool pair = p + 1 < passes;
+        const int8_t* first = a.digit(p * R, 0) + b * Q::SB;
+        _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+        if (pair) {
+          const int8_t* second = a.digit((p + 1) * R, 0) + b * Q::SB;
+          for (int c = 0; c < kSteps; ++c) {
+            _tile_loadd(2, low + c * 1024, 64); _tile_loadd(3, high + c * 1024, 64);
+            _tile_loadd(0, first + c * 64, K); _tile_loadd(1, second + c * 64, K);
+            _tile_dpbsud(4, 0, 2); _tile_dpbsud(6, 1, 2);
+            if constexpr (Q::kSignedProducts) { _tile_dpbssd(5, 0, 3); _tile_dpbssd(7, 1, 3); }
+            else { _tile_dpbsud(5, 0, 3); _tile_dpbsud(7, 1, 3); }
+          }
+        } else {
+          for (int c = 0; c < kSteps; c += 2) {  // tile numbers must be immediates: even and odd steps spelled out
+            _tile_loadd(0, first + c * 64, K); _tile_loadd(2, low + c * 1024, 64); _tile_loadd(3, high + c * 1024, 64);
+            _tile_dpbsud(4, 0, 2);
+            if constexpr (Q::kSignedProducts) _tile_dpbssd(5, 0, 3); else _tile_dpbsud(5, 0, 3);
+            _tile_loadd(1, first + (c + 1) * 64, K); _tile_loadd(2, low + (c + 1) * 1024, 64); _tile_loadd(3, high + (c + 1) * 1024, 64);
+            _tile_dpbsud(6, 1, 2);
+            if constexpr (Q::kSignedProducts) _tile_dpbssd(7, 1, 3); else _tile_dpbsud(7, 1, 3);
+          }
+        }
+        _tile_stored(4, dots[0], 64); _tile_stored(5, dots[1], 64);
+        _tile_stored(6, dots[2], 64); _tile_stored(7, dots[3], 64);
+        for (int q = 0; q < (pair ? 2 : 1); ++q) {
+          const int32_t* c_low = dots[2 * q];
+          const int32_t* c_high = dots[2 * q + 1];
+          const int64_t real = std::min<int64_t>(R, M - (p + q) * R);  // the zero rows past M need no finish
+          for (int m = 0; m < real; ++m) {
+            __m512i whole[D];
+            for (int e = 0; e < D; ++e) {
+              const int at = (m * D + e) * 16;
+              whole[e] = _mm512_add_epi32(_mm512_load_si512(c_low + at), _mm512_slli_epi32(_mm512_load_si512(c_high + at), 8));
+              if (!pair)
+                whole[e] = _mm512_add_epi32(whole[e], _mm512_add_epi32(_mm512_load_si512(dots[2] + at),
+                                                                       _mm512_slli_epi32(_mm512_load_si512(dots[3] + at), 8)));
+            }
+            const int64_t row = (p + q) * R + m;
+            float* t = total.data() + row * 16;
+            _mm512_storeu_ps(t, add_super_block<Q>(_mm512_loadu_ps(t), super_block_part<D>(whole), d,
+                                                    a.scale[row * scales_per_row + b], mn,
+                                                    a.sum32.data() + row * (K / 32) + b * (Q::SB / 32)));
+          }
+        }
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) store16(y + m * ldy + g * 16, _mm512_loadu_ps(total.data() + m * 16));
   }
   _tile_release();
 }
@@ -477,11 +596,12 @@ bool quant_vnni_available() {
 namespace {
 // Where the CPU has AMX-INT8, calls of this many rows run on tiles (the same bits either way). Measured
 // (benchmarks/quant_kernels.py, one thread, weights in cache, ns a weight and row, vpdpbusd -> tiles; one run on
-// a shared machine): two digits at 8 rows Q4_K 0.0092 -> 0.0078, Q6_K 0.0123 -> 0.0118, Q4_0 0.0097 -> 0.0071,
-// Q8_0 0.0109 -> 0.0086, at 4 rows none (Q4_K 0.0107 -> 0.0110); one digit at 8 rows slower (Q4_K 0.0057 ->
-// 0.0067), at 16 faster (0.0057 -> 0.0048). A tile product costs about the same whatever its rows (Q4_K, two
-// digits, one row: 0.043 ns a weight, 57 cycles a sub-block of 32 x 16 outputs): the tiles' own load, product and
-// store latency, which issuing the next step's products before finishing the last did not hide (tried: no gain).
+// a shared machine): blocks of 32, two digits at 8 rows Q4_0 0.0097 -> 0.0071, Q8_0 0.0109 -> 0.0086, at 4 rows
+// none; one digit at 8 rows slower, at 16 faster. K-quants (amx_super_groups, session 16): two digits Q4_K at 5
+// rows 0.0105 -> 0.0119, at 8 0.0105 -> 0.0075, at 16 0.0099 -> 0.0058; one digit at 8 rows 0.0060 -> 0.0076, at
+// 16 0.0060 -> 0.0049. A block-of-32 tile product costs about the same whatever its rows (57 cycles a block of 32
+// x 16 outputs: the tiles' own load, product and store latency); a K-quant call costs its B tiles (~0.03 ns a
+// weight, once) and ~0.02 ns a weight a pass of 8 or 16 rows.
 constexpr int64_t kAmxRows[3] = {0, 16, 8};  // by digits
 // set_quant_amx_rows(n): tiles from n rows instead (tests and benchmarks/quant_kernels.py: every tiling's bits
 // and the crossovers); 0: kAmxRows.
@@ -490,6 +610,10 @@ int64_t amx_rows(int digits) {
   const int64_t set = amx_rows_set.load();
   return set > 0 ? set : kAmxRows[digits];
 }
+// The tiles, and the byte permutes (AVX512-VBMI: every CPU with AMX has it) that build the K-quants' B tiles.
+bool amx_tiles_usable() {
+  return __builtin_cpu_supports("amx-int8") && __builtin_cpu_supports("avx512vbmi") && amx_available();
+}
 // -1: not chosen yet; QUICKDRAFT_QUANT_AMX=0 keeps the vpdpbusd kernel for every call (to test it on AMX CPUs).
 std::atomic<int> use_amx{-1};
 
@@ -497,7 +621,7 @@ bool amx_int8_in_use() {
   int on = use_amx.load();
   if (on < 0) {
     const char* env = std::getenv("QUICKDRAFT_QUANT_AMX");
-    on = quant_vnni_available() && __builtin_cpu_supports("amx-int8") && amx_available() &&
+    on = quant_vnni_available() && amx_tiles_usable() &&
          !(env && std::string(env) == "0");
     use_amx.store(on);
   }
@@ -509,7 +633,7 @@ bool amx_int8_in_use() {
 // tiles (granted where the CPU has them). Returns the setting before.
 bool set_quant_amx(bool on) {
   const bool before = amx_int8_in_use();
-  use_amx.store(on && quant_vnni_available() && __builtin_cpu_supports("amx-int8") && amx_available());
+  use_amx.store(on && quant_vnni_available() && amx_tiles_usable());
   return before;
 }
 bool get_quant_amx() { return amx_int8_in_use(); }
@@ -549,14 +673,17 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
   // A tiles of 8 rows (each row's digits) for few rows, else 16; zero rows past M up to a whole pass
   const int tile_rows = M * digits <= 8 ? 8 : 16;
   const int64_t pass = tile_rows / digits;
-  // A pass costs about the same whatever rows it holds (the tiles' latency and the finish), a vpdpbusd row about
-  // 1/7 of a pass: a call whose last pass would be mostly zero rows runs on vpdpbusd instead (the same bits;
-  // set_quant_amx_rows(n) puts every call of n rows or more on tiles, for the tests of every tiling).
-  // Measured on the Qwen 1.5B forward (2 threads, two digits, ms: tiles / vpdpbusd): 8 rows 94 / 97, 9 138 / 107,
-  // 12 148 / 128, 16 166 / 161, 17 208 / 173, 24 198 / 218, 32 275 / 283.
+  // Blocks of 32: a pass costs about the same whatever rows it holds (the tiles' latency and the finish a block), a
+  // vpdpbusd row about 1/7 of a pass: a call whose last pass would be mostly zero rows runs on vpdpbusd instead (the
+  // same bits). Measured on the Qwen 1.5B forward before the K-quants' kernel (2 threads, two digits, ms: tiles /
+  // vpdpbusd): 8 rows 94 / 97, 9 138 / 107, 12 148 / 128, 16 166 / 161, 17 208 / 173, 24 198 / 218, 32 275 / 283.
+  // K-quants (amx_super_groups): a call costs its B tiles once and a pass little, so every call from kAmxRows
+  // rows runs on tiles. set_quant_amx_rows(n) puts every call of n rows or more on tiles, for the tests of every
+  // tiling.
   const int64_t waste = (pass - M % pass) % pass;
-  const bool tiles = M >= amx_rows(digits) && amx_int8_in_use() && (amx_rows_set.load() > 0 || waste <= pass / 4);
-  const int64_t rows = tiles ? (M + pass - 1) / pass * pass : M;
+  const bool amx = M >= amx_rows(digits) && amx_int8_in_use();
+  const bool super_tiles = amx, block_tiles = amx && (amx_rows_set.load() > 0 || waste <= pass / 4);
+  const int64_t rows = super_tiles || block_tiles ? (M + pass - 1) / pass * pass : M;
   Activations acts[4];
   for (int wide = 0; wide < 2; ++wide)
     for (int nibbles = 0; nibbles < 2; ++nibbles)
@@ -571,12 +698,19 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
             using Q = decltype(q);
             const Activations& a = acts[part.variant];
             auto* yq = yp + part.column;
-            if (tiles) {
+            if (Q::kSubs > 1 ? super_tiles : block_tiles) {
               const int64_t g0 = lo - base, g1 = hi - base;
-              if (digits == 1 && tile_rows == 8) amx_groups<Q, 1, 8>(a, part.w, g0, g1, yq, N);
-              else if (digits == 1) amx_groups<Q, 1, 16>(a, part.w, g0, g1, yq, N);
-              else if (tile_rows == 8) amx_groups<Q, 2, 8>(a, part.w, g0, g1, yq, N);
-              else amx_groups<Q, 2, 16>(a, part.w, g0, g1, yq, N);
+              if constexpr (Q::kSubs > 1) {
+                if (digits == 1 && tile_rows == 8) amx_super_groups<Q, 1, 8>(a, part.w, g0, g1, yq, N);
+                else if (digits == 1) amx_super_groups<Q, 1, 16>(a, part.w, g0, g1, yq, N);
+                else if (tile_rows == 8) amx_super_groups<Q, 2, 8>(a, part.w, g0, g1, yq, N);
+                else amx_super_groups<Q, 2, 16>(a, part.w, g0, g1, yq, N);
+              } else {
+                if (digits == 1 && tile_rows == 8) amx_groups<Q, 1, 8>(a, part.w, g0, g1, yq, N);
+                else if (digits == 1) amx_groups<Q, 1, 16>(a, part.w, g0, g1, yq, N);
+                else if (tile_rows == 8) amx_groups<Q, 2, 8>(a, part.w, g0, g1, yq, N);
+                else amx_groups<Q, 2, 16>(a, part.w, g0, g1, yq, N);
+              }
             }
             else if (digits == 1) groups<Q, 1>(a, part.w, lo - base, hi - base, yq, N);
             else groups<Q, 2>(a, part.w, lo - base, hi - base, yq, N);

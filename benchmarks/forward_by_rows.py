@@ -1,0 +1,73 @@
+"""What a target forward costs by its number of new rows (a decoding step is 1, a chain of K drafts K + 1, a tree
+its nodes + 1, a batch the sum): the native C++ layer loop on n new rows after `context` cached positions, with
+the quantized calls of many rows on AMX-INT8 tiles and on vpdpbusd alone (where the CPU has AMX), interleaved
+round by round; medians, and the ratio to one row.
+
+    .venv/bin/python benchmarks/forward_by_rows.py [MODEL] [--rows 1,2,4,5,8,9,12,16,24,32] [--rounds 7]
+
+Run it with nothing else running: the machine's bandwidth and other processes move every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from quickdraft.models.loader import load, quantized_weights, resolve
+from quickdraft.models.native import NativeRunner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--rows", default="1,2,4,5,8,9,12,16,24,32")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    source = resolve(args.model)
+    model, _ = load(source, torch.bfloat16, torch.device("cpu"))
+    runner = NativeRunner(model, quantized=quantized_weights(source, model, torch.bfloat16, torch.device("cpu")))
+    module = runner._cpu_kernels
+    if module is None or runner._native_decoder() is None:
+        raise SystemExit("needs quickdraft's CPU kernels (an AVX512-BF16 CPU)")
+    rows = [int(r) for r in args.rows.split(",")]
+    tilings = ["tiles", "vpdpbusd"] if module.set_quant_amx(True) or module.quant_amx() else ["vpdpbusd"]
+    ids = torch.randint(0, 1000, (args.context + max(rows),), generator=torch.Generator().manual_seed(0))
+    cache = runner.new_cache()
+    runner.forward(cache, ids[: args.context])
+    times: dict[tuple[str, int], list[float]] = {}
+    amx_before = module.quant_amx()
+    try:
+        for round_ in range(args.rounds + 1):  # round 0 warms up
+            for tiling in tilings:
+                module.set_quant_amx(tiling == "tiles")
+                for n in rows:
+                    start = time.perf_counter()
+                    runner.forward(cache, ids[args.context: args.context + n], n)
+                    seconds = time.perf_counter() - start
+                    cache.rollback(args.context)
+                    if round_:
+                        times.setdefault((tiling, n), []).append(seconds)
+    finally:
+        module.set_quant_amx(amx_before)
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu = "AMX" if "amx_int8" in flags else "no AMX"
+    print(f"{args.model} ({module.quant_kernel()} kernel, {cpu}, {args.threads} threads): a forward of n new rows "
+          f"after {args.context} cached, median of {args.rounds} interleaved rounds, ms (x one row)")
+    print("| tiling | " + " | ".join(str(n) for n in rows) + " |")
+    print("|---" * (len(rows) + 1) + "|")
+    for tiling in tilings:
+        one = statistics.median(times[(tiling, 1)])
+        cells = [f"{statistics.median(times[(tiling, n)]) * 1e3:.1f} ({statistics.median(times[(tiling, n)]) / one:.2f}x)"
+                 for n in rows]
+        print(f"| {tiling} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -6,7 +6,9 @@ its own recent steps, so a prompt that copies a lot and one that does not each g
 of a step with k drafts is its wall time, measured while the engine runs (shared by all requests: it
 belongs to the target and the proposer, not to a prompt). K = 0 is plain decoding; it wins where drafts are
 rarely accepted. Estimates decay each step toward an optimistic prior, so a request that dropped to K = 0
-tries speculation again after a while instead of never learning that the text turned repetitive.
+tries speculation again after a while instead of never learning that the text turned repetitive. The prior is
+the engine's (AcceptancePrior, one per draft kind): what every sequence's steps of that kind accepted lately, so
+a new request on an engine that has served others starts from the model pair's acceptance, not from a guess.
 The formulas are quickdraft/speedup_model.py's, which `quickdraft tune` and the bench share.
 """
 
@@ -22,6 +24,11 @@ from quickdraft.speedup_model import acceptance_chain, expected_tokens_per_step,
 PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 1.0
 DECAY = 0.9
+# The engine's prior (AcceptancePrior) remembers the last ~1 / (1 - ENGINE_PRIOR_DECAY) drafting steps of all
+# sequences of a kind: the model pair's acceptance on the recent workload, not one prompt's. Until about
+# ENGINE_PRIOR_WEIGHT of them reached a position, PRIOR_ACCEPTANCE weighs as much as they do.
+ENGINE_PRIOR_DECAY = 0.99
+ENGINE_PRIOR_WEIGHT = 4.0
 # Before a step of some k has been timed, its cost relative to a plain step is extrapolated with this slope
 # per draft token (measured in bf16: verifying 8 tokens costs about 1.15x one on a CPU with AMX, ~0.02 per
 # token, and 1.5-1.7x one on AVX512-BF16 without AMX, ~0.08; the prior sits between until steps are timed).
@@ -99,16 +106,17 @@ class StepCosts:
         return self.curve.estimate(k, PRIOR_COST_SLOPE)
 
 
-class AcceptanceStats:
-    """One request's decayed counts, per draft position, of reaching and of passing verification."""
+class _PositionCounts:
+    """Decayed counts, per draft position, of reaching verification and of passing it."""
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
         self.reached: list[float] = []
         self.accepted: list[float] = []
 
     def update(self, proposed: int, accepted: int) -> None:
-        self.reached = [r * DECAY for r in self.reached]
-        self.accepted = [a * DECAY for a in self.accepted]
+        self.reached = [r * self.decay for r in self.reached]
+        self.accepted = [a * self.decay for a in self.accepted]
         if len(self.reached) < proposed:
             grow = proposed - len(self.reached)
             self.reached += [0.0] * grow
@@ -118,10 +126,75 @@ class AcceptanceStats:
             self.reached[i] += 1
             self.accepted[i] += i < accepted
 
+    def counts(self, position: int) -> tuple[float, float]:
+        """(accepted, reached) at `position`; 0 for a position never proposed."""
+        if position < len(self.reached):
+            return self.accepted[position], self.reached[position]
+        return 0.0, 0.0
+
+
+class AcceptancePrior(_PositionCounts):
+    """What a new request's drafts of one kind are expected to accept, per position: learned from the drafting
+    steps of every sequence of that kind on one engine (Engine.acceptance_prior). One LLM serving many prompts
+    has measured its step costs by the time a request arrives; a fixed guess of PRIOR_ACCEPTANCE a position then
+    prices deep drafts below plain decoding on a pair that accepts ~0.8 (benchmarks/RESULTS.md, session 15), and
+    every request started shallow and learned its depth slowly.
+
+    rate(i) is PRIOR_ACCEPTANCE with no history, moving to the measured rate as steps reach position i
+    (ENGINE_PRIOR_WEIGHT steps' worth of the guess). A position no step reached yet takes the rate of the one
+    before it (acceptance by position is about flat or rising once a draft has been right, as in
+    speedup_model.filled_rates): a pair learned at depth 2 is not priced at the guess at depth 6, so requests go
+    deep and the prior learns those positions too.
+
+    Never below PRIOR_ACCEPTANCE (the optimism floor). The prior learns only from steps that draft: were it
+    allowed to fall to where drafting does not pay, no new request would draft, nothing would update it again,
+    and the engine would never see that the workload changed (to repetitive text, say). Floored, it only ever
+    makes a new request start deeper than the fixed guess did, never shallower, and a request at K = 0 still
+    decays toward an optimistic rate and probes again. A request whose own drafts fail still drops to K = 0:
+    after a few steps its counts outweigh the prior's PRIOR_WEIGHT. The cost: on a pair accepting below
+    PRIOR_ACCEPTANCE each new request probes a step or two, as it did with the fixed guess."""
+
+    def __init__(self) -> None:
+        super().__init__(ENGINE_PRIOR_DECAY)
+        self._rates: list[float] = []  # rate by position, up to the deepest asked since the last update
+
+    def update(self, proposed: int, accepted: int) -> None:
+        # A step that drafted nothing says nothing about acceptance; counting it would decay what the drafting
+        # steps taught (a batch of plain-decoding requests would erase it within a step or two).
+        if proposed > 0:
+            super().update(proposed, accepted)
+            self._rates = []
+
     def rate(self, position: int) -> float:
-        reached = self.reached[position] if position < len(self.reached) else 0.0
-        accepted = self.accepted[position] if position < len(self.accepted) else 0.0
-        return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
+        # Cached: a batch's choice reads every position of every sequence between two updates.
+        while len(self._rates) <= position:
+            before = self._rates[-1] if self._rates else PRIOR_ACCEPTANCE
+            accepted, reached = self.counts(len(self._rates))
+            learned = (accepted + before * ENGINE_PRIOR_WEIGHT) / (reached + ENGINE_PRIOR_WEIGHT)
+            self._rates.append(max(PRIOR_ACCEPTANCE, learned))
+        return self._rates[position]
+
+
+class AcceptanceStats(_PositionCounts):
+    """One request's decayed counts, per draft position, of reaching and of passing verification.
+
+    prior: the engine's AcceptancePrior of this draft kind; rate() starts from its rate instead of the fixed
+    PRIOR_ACCEPTANCE, and as the counts decay the estimate returns toward it. Each update feeds it too (a tree
+    step as a chain of its depth, like this request's own counts). None: the fixed PRIOR_ACCEPTANCE."""
+
+    def __init__(self, prior: AcceptancePrior | None = None) -> None:
+        super().__init__(DECAY)
+        self.prior = prior
+
+    def update(self, proposed: int, accepted: int) -> None:
+        super().update(proposed, accepted)
+        if self.prior is not None:
+            self.prior.update(proposed, accepted)
+
+    def rate(self, position: int) -> float:
+        accepted, reached = self.counts(position)
+        prior = PRIOR_ACCEPTANCE if self.prior is None else self.prior.rate(position)
+        return (accepted + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
 
     def expected_tokens(self, k: int) -> float:
         """E(k) = 1 + sum_{i<k} prod_{j<=i} a_j (speedup_model.expected_tokens_per_step, every step proposing k)."""

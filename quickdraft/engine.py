@@ -49,6 +49,7 @@ class Engine:
         self._step_costs_by_kind: dict[str, adaptive.StepCosts] = {}
         self.batch_costs = adaptive.BatchCosts()  # any batch, by rows
         self._tree_calibration: dict[str, adaptive.TreeCalibration] = {}  # per draft kind ("tree": "auto")
+        self._acceptance_priors: dict[str, adaptive.AcceptancePrior] = {}  # per draft kind (acceptance_prior)
         self.eos_token_ids = set(eos_token_ids or ())
         self.max_len = min(max_len or target.max_len, target.max_len)
         # LOSSY relaxed acceptance (SpeculativeConfig acceptance="relaxed"): None, the default, is exact.
@@ -130,10 +131,10 @@ class Engine:
             return caps
         kinds = [self.proposer.draft_kind(seq) for seq in seqs]
         if len(seqs) == 1:
-            return [adaptive.choose_k(seqs[0].acceptance_for(kinds[0]), self.step_costs_of(kinds[0]), caps[0])
+            return [adaptive.choose_k(self._acceptance(seqs[0], kinds[0]), self.step_costs_of(kinds[0]), caps[0])
                     if caps[0] > 0 else 0]
         base_rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs)
-        return adaptive.choose_batch_k([seq.acceptance_for(kind) for seq, kind in zip(seqs, kinds)], caps,
+        return adaptive.choose_batch_k([self._acceptance(seq, kind) for seq, kind in zip(seqs, kinds)], caps,
                                        base_rows, self.batch_costs, "model" in kinds)
 
     def step_costs_of(self, kind: str) -> adaptive.StepCosts:
@@ -143,6 +144,18 @@ class Engine:
             costs = self._step_costs_by_kind[kind] = \
                 self.step_costs if not self._step_costs_by_kind else adaptive.StepCosts(self.k)
         return costs
+
+    def acceptance_prior(self, kind: str) -> adaptive.AcceptancePrior:
+        """What a new request's drafts of `kind` are expected to accept, learned from every sequence's steps of
+        that kind on this engine (a new request starts from the model pair's acceptance, not a fixed guess)."""
+        prior = self._acceptance_priors.get(kind)
+        if prior is None:
+            prior = self._acceptance_priors[kind] = adaptive.AcceptancePrior()
+        return prior
+
+    def _acceptance(self, seq: Sequence, kind: str) -> adaptive.AcceptanceStats:
+        """seq's acceptance estimates for drafts of `kind`, starting from (and feeding) the engine's prior."""
+        return seq.acceptance_for(kind, self.acceptance_prior(kind))
 
     def step_batch(self, seqs: list[Sequence]) -> list[list[int]]:
         """One step of every sequence in `seqs` together: their drafts proposed as one batch, ONE target forward
@@ -233,7 +246,8 @@ class Engine:
             metrics.verify_time_s += t3 - t2
             if self.adaptive_k:
                 # Per depth for a tree (depth d was judged when the path reached d - 1): a chain of its depth.
-                seq.acceptance_for(kinds[index]).update(k if tree is None else tree.max_depth, n)
+                # The kind's engine-wide prior is fed the same way (AcceptanceStats.update).
+                self._acceptance(seq, kinds[index]).update(k if tree is None else tree.max_depth, n)
                 # A step like every later one (no prompt, no draft catch-up), alone in its batch: its time is the
                 # cost of drafting k (a tree: of the depth asked for, "auto"'s choice). Batched steps are not timed
                 # (their cost depends on the batch).
@@ -333,7 +347,7 @@ class Engine:
         min_chance = 0.0
         if row_worth > 0:
             kind = self.proposer.draft_kind(seq)
-            expected = seq.acceptance_for(kind).expected_tokens(max_depth)
+            expected = self._acceptance(seq, kind).expected_tokens(max_depth)
             min_chance = min(1.0, expected * row_worth / max(self._calibration(seq).factor, 1e-6))
         return TreeBudget(max_nodes, max_depth, min_chance)
 

@@ -223,13 +223,20 @@ class Sequence:
         self._token_ids = list(prompt_ids)
         self._log_noise: dict[int, torch.Tensor] = {}  # output position -> log E [V] (see log_noise)
 
-    def acceptance_for(self, kind: str) -> adaptive.AcceptanceStats:
+    def acceptance_for(self, kind: str, prior: adaptive.AcceptancePrior | None = None) -> adaptive.AcceptanceStats:
         """This sequence's acceptance estimates for drafts of `kind` (Proposer.draft_kind): a draft that takes
-        lookups some steps and a model's tokens others keeps the two apart, as their acceptance differs."""
+        lookups some steps and a model's tokens others keeps the two apart, as their acceptance differs.
+
+        prior: the engine's AcceptancePrior of `kind` (Engine.acceptance_prior), which the estimates start from
+        and feed; taken when the kind is first asked for (None: the fixed adaptive.PRIOR_ACCEPTANCE)."""
         stats = self._acceptance_by_kind.get(kind)
         if stats is None:
-            stats = self._acceptance_by_kind[kind] = \
-                self.acceptance if not self._acceptance_by_kind else adaptive.AcceptanceStats()
+            if self._acceptance_by_kind:
+                stats = adaptive.AcceptanceStats(prior)
+            else:  # made with the sequence, before its first kind was known: no step has counted in it yet
+                stats = self.acceptance
+                stats.prior = prior
+            self._acceptance_by_kind[kind] = stats
         return stats
 
     @property

@@ -47,6 +47,87 @@ def test_choose_k_follows_acceptance_and_cost():
     assert choose_k(AcceptanceStats(), StepCosts(6), 6) == 6  # nothing measured yet: try the largest K
 
 
+def _record_cheap_drafts(costs: StepCosts, max_k: int = 4) -> StepCosts:
+    """Step costs where a draft token costs 0.3 of a plain step (a full median window at every k, so they are the
+    only costs it reads): at the fixed prior of 0.6 a position one draft pays best, at ~0.9 every one up to max_k."""
+    for _ in range(9):
+        for k in range(max_k + 1):
+            costs.record(k, 1.0 + 0.3 * k)
+    return costs
+
+
+def test_acceptance_prior_is_the_fixed_guess_without_history():
+    prior = adaptive.AcceptancePrior()
+    assert [prior.rate(i) for i in range(6)] == [adaptive.PRIOR_ACCEPTANCE] * 6
+    prior.update(0, 0)  # a plain step: no evidence, nothing learned or forgotten
+    assert prior.reached == [] and prior.rate(0) == adaptive.PRIOR_ACCEPTANCE
+    request = AcceptanceStats(prior)
+    assert [request.rate(i) for i in range(6)] == [AcceptanceStats().rate(i) for i in range(6)]
+    request.update(4, 4)  # one step: it feeds the prior, which moves by less than the request's own estimate
+    assert adaptive.PRIOR_ACCEPTANCE < prior.rate(0) < 0.7 < request.rate(0)
+    never = adaptive.AcceptancePrior()
+    for _ in range(200):
+        never.update(4, 0)  # a pair that never accepts: the prior stays at the optimistic floor
+    assert [never.rate(i) for i in range(6)] == [adaptive.PRIOR_ACCEPTANCE] * 6
+
+
+def test_a_new_request_after_high_acceptance_requests_starts_at_max_k():
+    costs, prior = _record_cheap_drafts(StepCosts(4)), adaptive.AcceptancePrior()
+    assert choose_k(AcceptanceStats(), costs, 4) == 1  # the fixed prior: a fresh request starts shallow
+    assert choose_k(AcceptanceStats(prior), costs, 4) == 1  # nothing learned yet: the same
+    for _ in range(20):  # earlier requests whose drafts were all accepted, two positions deep
+        request = AcceptanceStats(prior)
+        for _ in range(10):
+            request.update(2, 2)
+    assert prior.rate(0) > 0.95 and prior.rate(1) > 0.95
+    assert prior.rate(5) == prior.rate(1)  # never reached: priced as the deepest learned position, not the guess
+    assert choose_k(AcceptanceStats(prior), costs, 4) == 4
+    # Its own drafts failing, a request still drops to plain decoding within a few steps.
+    failing = AcceptanceStats(prior)
+    for _ in range(5):
+        failing.update(4, 0)
+    assert choose_k(failing, costs, 4) == 0
+    # Its counts decayed (steps at K = 0), it returns toward the learned prior and drafts again.
+    for _ in range(40):
+        failing.update(0, 0)
+    assert choose_k(failing, costs, 4) == 4
+
+
+def test_the_engine_learns_a_prior_per_draft_kind():
+    """After requests whose drafts are all accepted (the draft is the target), a new request's first drafting
+    step takes max K under costs where an engine with no history drafts one token; a kind the engine has not
+    drafted keeps the fixed guess."""
+    target = tiny_llama(seed=0)
+
+    def engine():
+        return LLM(target, speculative_config={"method": "draft_model", "model": target,
+                                               "num_speculative_tokens": 4}).engine
+
+    def first_drafting_step(engine, prompt):
+        seq = engine.new_sequence(prompt, SamplingParams(temperature=0, max_tokens=40))
+        engine.step(seq)  # the prompt: no drafts
+        _record_cheap_drafts(engine.step_costs)  # before every step: the choices do not depend on timing
+        engine.step(seq)
+        return seq, seq.metrics.proposed_tokens
+
+    experienced = engine()
+    for i in range(4):
+        seq, _ = first_drafting_step(experienced, [2, 7, 1, 8 + i])
+        while not seq.finished:
+            _record_cheap_drafts(experienced.step_costs)
+            experienced.step(seq)
+        assert seq.metrics.accepted_tokens == seq.metrics.proposed_tokens > 0
+    prior = experienced.acceptance_prior("model")
+    assert prior.rate(0) > 0.9
+    seq, drafted = first_drafting_step(experienced, [3, 1, 4, 1, 5])
+    assert drafted == 4 and seq.acceptance_for("model").prior is prior
+    assert first_drafting_step(engine(), [3, 1, 4, 1, 5])[1] == 1  # no history: the fixed prior of 0.6 a position
+    assert experienced.acceptance_prior("lookup").reached == []
+    lookup = seq.acceptance_for("lookup", experienced.acceptance_prior("lookup"))
+    assert lookup.rate(0) == adaptive.PRIOR_ACCEPTANCE
+    assert choose_k(lookup, _record_cheap_drafts(StepCosts(4)), 4) == 1
+
+
 def test_engine_drops_to_plain_decoding_when_drafts_never_match():
     target = tiny_llama(seed=0)
     llm = LLM(target, speculative_config={"method": "draft_model", "model": tiny_llama(seed=9),

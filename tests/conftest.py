@@ -107,3 +107,23 @@ def assert_greedy_equals_plain(llm, plain, prompts, params, batches=(1, 4)):
         assert [o.outputs[0].token_ids for o in out] == want, batch
     assert sum(o.metrics.proposed_tokens for o in out) > 0
     return out
+
+
+def run_staggered(scheduler, prompts, params, abort_step: int, abort_id: str = "1", max_running: int = 3):
+    """Drive `scheduler` with a new request (ids "0", "1", ...) every other step, abort request `abort_id` at step
+    `abort_step` (a second abort of it is refused), never more than `max_running` running; returns each request's
+    streamed tokens."""
+    outputs: dict[str, list[int]] = {}
+    added = steps = 0
+    while added < len(prompts) or scheduler.has_unfinished():
+        if added < len(prompts) and steps % 2 == 0:
+            scheduler.add_request(str(added), prompts[added]["prompt_token_ids"], params[added])
+            added += 1
+        if steps == abort_step:
+            assert scheduler.abort_request(abort_id)
+            assert not scheduler.abort_request(abort_id)
+        assert scheduler.num_running <= max_running
+        for update in scheduler.step():
+            outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
+        steps += 1
+    return outputs

@@ -4,7 +4,7 @@ leave at step boundaries, limits hold, and aborted or finished requests free the
 import pytest
 import torch
 
-from conftest import tiny_gemma3, tiny_llama
+from conftest import run_staggered, tiny_gemma3, tiny_llama
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import cpu_linear
@@ -71,20 +71,7 @@ def test_requests_join_and_leave_mid_generation():
     params = [SamplingParams(temperature=0, max_tokens=10 + 3 * i) for i in range(len(PROMPTS))]
     expected = _alone(llm, PROMPTS, params)
     scheduler = llm.new_scheduler(max_num_seqs=3)
-    outputs: dict[str, list[int]] = {}
-    added = 0
-    steps = 0
-    while added < len(PROMPTS) or scheduler.has_unfinished():
-        if added < len(PROMPTS) and steps % 2 == 0:  # a new request every other step
-            scheduler.add_request(str(added), PROMPTS[added]["prompt_token_ids"], params[added])
-            added += 1
-        if steps == 3:
-            assert scheduler.abort_request("1")
-            assert not scheduler.abort_request("1")
-        assert scheduler.num_running <= 3
-        for update in scheduler.step():
-            outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
-        steps += 1
+    outputs = run_staggered(scheduler, PROMPTS, params, abort_step=3)
     assert "1" in outputs and outputs["1"] == expected[1][0][: len(outputs["1"])] and len(outputs["1"]) < 13
     for i in (0, 2, 3, 4, 5):
         assert outputs[str(i)] == expected[i][0]

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import run_staggered, tiny_llama
 from quickdraft import LLM, SamplingParams
 from quickdraft.drafts import SpeculativeConfig
 from quickdraft.drafts.suffix import SuffixIndex, SuffixProposer
@@ -322,18 +322,7 @@ def test_requests_join_and_leave_and_their_text_enters_the_cache():
     params = [SamplingParams(temperature=0, max_tokens=20 + 5 * i) for i in range(len(PROMPTS))]
     expected = _outputs(plain.generate(PROMPTS, params))
     scheduler = llm.new_scheduler(max_num_seqs=3)
-    outputs: dict[str, list[int]] = {}
-    added = steps = 0
-    while added < len(PROMPTS) or scheduler.has_unfinished():
-        if added < len(PROMPTS) and steps % 2 == 0:  # a new request every other step
-            scheduler.add_request(str(added), PROMPTS[added]["prompt_token_ids"], params[added])
-            added += 1
-        if steps == 4:
-            assert scheduler.abort_request("1")
-        assert scheduler.num_running <= 3
-        for update in scheduler.step():
-            outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
-        steps += 1
+    outputs = run_staggered(scheduler, PROMPTS, params, abort_step=4)
     assert outputs["1"] == expected[1][0][:len(outputs["1"])] and len(outputs["1"]) < len(expected[1][0])
     for i in (0, 2, 3, 4, 5):
         assert outputs[str(i)] == expected[i][0]

@@ -59,11 +59,11 @@ def main() -> None:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     cpu = "AMX" if "amx_int8" in flags else "no AMX"
     print(f"{args.model} ({module.quant_kernel()} kernel, {cpu}, {args.threads} threads): a forward of n new rows "
-          f"after {args.context} cached, median of {args.rounds} interleaved rounds, ms (x one row)")
+          f"after {args.context} cached, median of {args.rounds} interleaved rounds, ms (x {rows[0]} rows)")
     print("| tiling | " + " | ".join(str(n) for n in rows) + " |")
     print("|---" * (len(rows) + 1) + "|")
     for tiling in tilings:
-        one = statistics.median(times[(tiling, 1)])
+        one = statistics.median(times[(tiling, rows[0])])
         cells = [f"{statistics.median(times[(tiling, n)]) * 1e3:.1f} ({statistics.median(times[(tiling, n)]) / one:.2f}x)"
                  for n in rows]
         print(f"| {tiling} | " + " | ".join(cells) + " |")

@@ -239,6 +239,20 @@ inline __m512 add_super_block(__m512 total, __m512 part, __m512 d, float s, cons
 
 // --- the kernel -----------------------------------------------------------------------------------------------
 
+// Fetch about 8 KB ahead in every stream of weights (past a group's end lies the next group's start), spread over
+// the chunk's units: unit u of SB / 8 asks for its share of the chunk's lines, kAhead chunks on. Why spread: a
+// chunk's lines asked for at once (37 for Q4_K, for each of 4 groups) stall the core once the line fill buffers
+// are full, so it computed with few lines in flight and waited with no work (measured: 45% of the one-row Q4_K
+// kernel's samples on the instruction after such a burst).
+template <class Q>
+inline void prefetch_share(const uint8_t* const* chunks, int count, int u) {
+  constexpr int kLines = (Q::kChunk + 63) / 64, kUnitsAll = Q::SB / 8;
+  constexpr int64_t kAhead = (8192 + Q::kChunk - 1) / Q::kChunk;
+  for (int line = u * kLines / kUnitsAll; line < (u + 1) * kLines / kUnitsAll; ++line)
+    for (int j = 0; j < count; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(chunks[j] + kAhead * Q::kChunk + line * 64), _MM_HINT_T0);
+}
+
 // Rows m0 .. m0+MR of the activations by NB groups of 16 outputs, over all of K, with D digits an activation.
 // w: the chunks of the tile's first group (groups `group_bytes` apart); y: the tile's first output of row m0.
 template <class Q, int MR, int NB, int D, class Y>
@@ -262,14 +276,9 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_byte
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NB; ++j) total[m][j] = _mm512_setzero_ps();
   constexpr int kUnits = Q::kSubK / 8;
-  // As in cpu_quant.cpp: fetch about 8 KB ahead in every stream (past a group's end lies the next group's start).
-  constexpr int kAhead = (8192 + Q::kChunk - 1) / Q::kChunk;
   for (int64_t b = 0; b < super_blocks; ++b) {
     const uint8_t* chunk[NB];
     for (int j = 0; j < NB; ++j) chunk[j] = w + j * group_bytes + b * Q::kChunk;
-    for (int j = 0; j < NB; ++j)
-      for (int line = 0; line < Q::kChunk; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(chunk[j] + kAhead * Q::kChunk + line), _MM_HINT_T0);
     const int64_t k0 = b * Q::SB;
     __m512i whole[MR][NB][D];  // K-quants: the super-block's sum_j sc_j dot_j, per digit (super_block_part)
     if constexpr (kSuper)
@@ -297,6 +306,7 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_byte
 #pragma GCC unroll 4
       for (int i = 0; i < kUnits; ++i) {
         const int u = s * kUnits + i;
+        prefetch_share<Q>(chunk, NB, u);
         __m512i ca[NB], cb[NB];
         for (int j = 0; j < NB; ++j) Q::codes(chunk[j], u, ca[j], cb[j]);
         const int64_t k = k0 + u * 8;
@@ -400,7 +410,6 @@ void amx_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, 
   const int64_t passes = (M + R - 1) / R, scales_per_row = K / a.block;
   constexpr int kUnits = Q::kSubK / 8, kRowsB = Q::kSubK / 4;
   constexpr int kBatch = 8;  // blocks unpacked and multiplied before the first of them is finished
-  constexpr int kAhead = (8192 + Q::kChunk - 1) / Q::kChunk;
   alignas(64) uint8_t codes[kBatch][kRowsB * 64];
   alignas(64) int32_t dots[kBatch][TR * 16];  // [block][row * D + digit][output]
   std::vector<float> total(passes * R * 16);  // [row][output]
@@ -418,9 +427,8 @@ void amx_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, 
       const int batch = static_cast<int>(std::min<int64_t>(kBatch, blocks - t0));
       for (int i = 0; i < batch; ++i) {
         const uint8_t* chunk = wg + (t0 + i) * Q::kChunk;
-        for (int line = 0; line < Q::kChunk; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead * Q::kChunk + line), _MM_HINT_T0);
         for (int u = 0; u < kUnits; ++u) {
+          prefetch_share<Q>(&chunk, 1, u);
           __m512i ca, cb;
           Q::codes(chunk, u, ca, cb);
           if constexpr (Q::kZero != 0) ca = _mm512_sub_epi8(ca, zero_point), cb = _mm512_sub_epi8(cb, zero_point);
@@ -476,7 +484,6 @@ void amx_super_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_
   constexpr int R = TR / D, kSteps = Q::SB / 64, kUnitsPerSub = Q::kSubK / 8;
   const int64_t M = a.M, K = a.K, super_blocks = K / Q::SB, group_bytes = super_blocks * Q::kChunk;
   const int64_t passes = (M + R - 1) / R, scales_per_row = K / a.block;
-  constexpr int kAhead = (8192 + Q::kChunk - 1) / Q::kChunk;
   alignas(64) uint8_t low[kSteps * 16 * 64], high[kSteps * 16 * 64];  // B: [64-input step][4 inputs][16 outputs]
   alignas(64) int32_t dots[4][TR * 16];  // C: low even, high even, low odd, high odd steps: [row * D + digit][output]
   std::vector<float> total(passes * R * 16);  // [row][output]
@@ -494,8 +501,6 @@ void amx_super_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_
     std::fill(total.begin(), total.end(), 0.0f);
     for (int64_t b = 0; b < super_blocks; ++b) {
       const uint8_t* chunk = wg + b * Q::kChunk;
-      for (int line = 0; line < Q::kChunk; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead * Q::kChunk + line), _MM_HINT_T0);
       for (int s = 0; s < Q::kSubs; ++s) {
         // sc_j of each output as the signed byte of the even (odd) byte of each 16-bit word: vpmaddubsw's
         // products of the even (odd) codes, q sc_j, one a word; z sc_j in each word of an output's lane
@@ -507,6 +512,7 @@ void amx_super_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_
         const __m512i z_words = _mm512_or_si512(_mm512_and_si512(z_sc, word), _mm512_slli_epi32(z_sc, 16));
         for (int i = 0; i < kUnitsPerSub; ++i) {
           const int u = s * kUnitsPerSub + i;
+          prefetch_share<Q>(&chunk, 1, u);
           __m512i code[2];
           Q::codes(chunk, u, code[0], code[1]);
           for (int half = 0; half < 2; ++half) {

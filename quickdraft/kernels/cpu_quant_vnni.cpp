@@ -53,7 +53,9 @@ struct Activations {
   std::vector<int8_t> digits_;
   std::vector<float> scale;        // [M, K / block]
   std::vector<int32_t> sum16;      // [M, K / 16]: sum of v over each 16 inputs
-  std::vector<int32_t> digit_sum16;  // [rows * digits, K / 16]: sum of each digit over each 16 inputs
+  // two digits, blocks of 256 (the K-quants' zero point, per digit): [rows * 2, K / 16], sum of each digit over
+  // each 16 inputs; else empty (one digit's sums are sum16)
+  std::vector<int32_t> digit_sum16;
   std::vector<float> sum32;        // [M, K / 32]: s * sum of v over each 32 (the mins' term)
   const int8_t* digit(int64_t m, int e) const { return digits_.data() + (m * digits + e) * K; }
 };
@@ -84,17 +86,18 @@ void quantize_row(const c10::BFloat16* x, Activations& a, int64_t m) {
       if (a.nibble_order) v = _mm512_permutexvar_epi32(order, v);
       a.sum16[at / 16] = _mm512_reduce_add_epi32(v);
       int8_t* high = a.digits_.data() + (m * a.digits) * K + b * B + k;
-      int32_t* digit_sums = a.digit_sum16.data() + (m * a.digits) * (K / 16) + (b * B + k) / 16;
       if (a.digits == 1) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(high), _mm512_cvtepi32_epi8(v));
-        digit_sums[0] = a.sum16[at / 16];
       } else {
         const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(128)), 8);
         const __m512i l = _mm512_sub_epi32(v, _mm512_slli_epi32(h, 8));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(high), _mm512_cvtepi32_epi8(h));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(high + K), _mm512_cvtepi32_epi8(l));
-        digit_sums[0] = _mm512_reduce_add_epi32(h);
-        digit_sums[K / 16] = _mm512_reduce_add_epi32(l);
+        if (!a.digit_sum16.empty()) {
+          int32_t* digit_sums = a.digit_sum16.data() + (m * 2) * (K / 16) + (b * B + k) / 16;
+          digit_sums[0] = _mm512_reduce_add_epi32(h);
+          digit_sums[K / 16] = _mm512_reduce_add_epi32(l);
+        }
       }
     }
   }
@@ -111,7 +114,7 @@ void quantize(const c10::BFloat16* x, int64_t M, int64_t rows, int64_t K, int64_
   a.digits_.assign(rows * digits * K, 0);
   a.scale.assign(rows * (K / block), 0.0f);
   a.sum16.assign(rows * (K / 16), 0);
-  a.digit_sum16.assign(rows * digits * (K / 16), 0);
+  a.digit_sum16.assign(digits == 2 && block == 256 ? rows * 2 * (K / 16) : 0, 0);
   a.sum32.assign(rows * (K / 32), 0.0f);
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) quantize_row(x + m * K, a, m);
@@ -146,8 +149,7 @@ struct Q4_KV : Q4_KLayout {
   static constexpr bool kNibbles = true;
   static void codes(const uint8_t* c, int u, __m512i& a, __m512i& b) { Q4_0V::codes(c, u, a, b); }
   static __m512 super_scale(const uint8_t* c) { return half16(c + 2048); }  // d
-  static __m512 sub_scale(const uint8_t* c, int j) { return u8x16(c + 2112 + 16 * j); }  // sc_j, an integer
-  static __m512i sub_scale_int(const uint8_t* c, int j) { return u8x16i(c + 2112 + 16 * j); }
+  static __m512i sub_scale_int(const uint8_t* c, int j) { return u8x16i(c + 2112 + 16 * j); }  // sc_j, an integer
   static constexpr bool kSignedProducts = false;  // (q - z) sc_j in 0 .. 945: its high byte 0 .. 3
   static void mins(const uint8_t* c, __m512* mn) {  // -dmin * m_j
     const __m512 minus_dmin = _mm512_sub_ps(_mm512_setzero_ps(), half16(c + 2080));
@@ -177,8 +179,7 @@ struct Q6_KV : Q6_KLayout {
     b = _mm512_ternarylogic_epi32(bits45, shift_bits(plane, at + 2, 4), b, 0xCA);
   }
   static __m512 super_scale(const uint8_t* c) { return half16(c + 3072); }  // d
-  static __m512 sub_scale(const uint8_t* c, int j) { return i8x16(c + 3104 + 16 * j); }  // sc_j, an integer
-  static __m512i sub_scale_int(const uint8_t* c, int j) { return i8x16i(c + 3104 + 16 * j); }
+  static __m512i sub_scale_int(const uint8_t* c, int j) { return i8x16i(c + 3104 + 16 * j); }  // sc_j, an integer
   static constexpr bool kSignedProducts = true;  // (q - z) sc_j in -4064 .. 4096: its high byte -16 .. 16
   static void mins(const uint8_t*, __m512*) {}
 };
@@ -292,7 +293,7 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_byte
       for (int m = 0; m < MR; ++m) {
         // the zero point, as the starting value of the accumulators: blocks of 32, - z * sum v on the (last)
         // digit's; K-quants, - z * (sum of the digit) on each digit's (their dots stay apart: super_block_part)
-        const int32_t* sums = kSuper ? a.digit_sum16.data() + (m0 + m) * D * (K / 16) : sum16[m];
+        const int32_t* sums = kSuper && D == 2 ? a.digit_sum16.data() + (m0 + m) * 2 * (K / 16) : sum16[m];
         auto sum_of = [&](int e) {
           const int32_t* at = sums + e * (K / 16) + ks / 16;
           return Q::kSubK == 32 ? at[0] + at[1] : at[0];
@@ -584,6 +585,13 @@ void amx_super_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_
   _tile_release();
 }
 
+// The tile kernel of a type: K-quants fold their sub-block scales into the codes, blocks of 32 cannot.
+template <class Q, int D, int TR, class Y>
+void amx_kernel(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y, int64_t ldy) {
+  if constexpr (Q::kSubs > 1) amx_super_groups<Q, D, TR>(a, w, g0, g1, y, ldy);
+  else amx_groups<Q, D, TR>(a, w, g0, g1, y, ldy);
+}
+
 template <class F>
 decltype(auto) dispatch(int64_t type, F&& f) {
   return dispatch_type<Q4_0V, Q4_1V, Q5_0V, Q8_0V, Q4_KV, Q6_KV>(type, std::forward<F>(f));
@@ -688,9 +696,9 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
   // rows runs on tiles. set_quant_amx_rows(n) puts every call of n rows or more on tiles, for the tests of every
   // tiling.
   const int64_t waste = (pass - M % pass) % pass;
-  const bool amx = M >= amx_rows(digits) && amx_int8_in_use();
-  const bool super_tiles = amx, block_tiles = amx && (amx_rows_set.load() > 0 || waste <= pass / 4);
-  const int64_t rows = super_tiles || block_tiles ? (M + pass - 1) / pass * pass : M;
+  const bool tiles = M >= amx_rows(digits) && amx_int8_in_use();  // K-quants
+  const bool block_tiles = tiles && (amx_rows_set.load() > 0 || waste <= pass / 4);
+  const int64_t rows = tiles ? (M + pass - 1) / pass * pass : M;
   Activations acts[4];
   for (int wide = 0; wide < 2; ++wide)
     for (int nibbles = 0; nibbles < 2; ++nibbles)
@@ -705,19 +713,12 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
             using Q = decltype(q);
             const Activations& a = acts[part.variant];
             auto* yq = yp + part.column;
-            if (Q::kSubs > 1 ? super_tiles : block_tiles) {
+            if (Q::kSubs > 1 ? tiles : block_tiles) {
               const int64_t g0 = lo - base, g1 = hi - base;
-              if constexpr (Q::kSubs > 1) {
-                if (digits == 1 && tile_rows == 8) amx_super_groups<Q, 1, 8>(a, part.w, g0, g1, yq, N);
-                else if (digits == 1) amx_super_groups<Q, 1, 16>(a, part.w, g0, g1, yq, N);
-                else if (tile_rows == 8) amx_super_groups<Q, 2, 8>(a, part.w, g0, g1, yq, N);
-                else amx_super_groups<Q, 2, 16>(a, part.w, g0, g1, yq, N);
-              } else {
-                if (digits == 1 && tile_rows == 8) amx_groups<Q, 1, 8>(a, part.w, g0, g1, yq, N);
-                else if (digits == 1) amx_groups<Q, 1, 16>(a, part.w, g0, g1, yq, N);
-                else if (tile_rows == 8) amx_groups<Q, 2, 8>(a, part.w, g0, g1, yq, N);
-                else amx_groups<Q, 2, 16>(a, part.w, g0, g1, yq, N);
-              }
+              if (digits == 1 && tile_rows == 8) amx_kernel<Q, 1, 8>(a, part.w, g0, g1, yq, N);
+              else if (digits == 1) amx_kernel<Q, 1, 16>(a, part.w, g0, g1, yq, N);
+              else if (tile_rows == 8) amx_kernel<Q, 2, 8>(a, part.w, g0, g1, yq, N);
+              else amx_kernel<Q, 2, 16>(a, part.w, g0, g1, yq, N);
             }
             else if (digits == 1) groups<Q, 1>(a, part.w, lo - base, hi - base, yq, N);
             else groups<Q, 2>(a, part.w, lo - base, hi - base, yq, N);

@@ -480,7 +480,7 @@ void amx_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, 
 // products and its finish; the products of 4 x 64 inputs accumulate in two pairs of C tiles (even and odd
 // 64-input steps) so that consecutive products do not wait for each other. Tiles: 0/1 A, 2/3 B (low/high), 4..7 C.
 template <class Q, int D, int TR, class Y>
-__attribute__((target("avx512vnni,avx512bw,avx512vbmi,amx-tile,amx-int8")))
+__attribute__((target("avx512vnni,avx512bw,amx-tile,amx-int8")))
 void amx_super_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y, int64_t ldy) {
   static_assert(Q::SB == 256, "super-blocks of 256 inputs");
   constexpr int R = TR / D, kSteps = Q::SB / 64, kUnitsPerSub = Q::kSubK / 8;
@@ -495,9 +495,7 @@ void amx_super_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_
   for (int t : {4, 5, 6, 7}) config.rows[t] = TR, config.colsb[t] = 64;
   _tile_loadconfig(&config);
   const __m512i byte = _mm512_set1_epi32(0xFF), word = _mm512_set1_epi32(0xFFFF);
-  alignas(64) uint8_t index[2][64];  // byte 2w + o of the result: byte 2w (low) or 2w + 1 (high) of pe (o = 0), po
-  for (int i = 0; i < 64; ++i) index[0][i] = (i & ~1) + 64 * (i & 1), index[1][i] = index[0][i] + 1;
-  const __m512i low_bytes = _mm512_load_si512(index[0]), high_bytes = _mm512_load_si512(index[1]);
+  const __m512i low_of_words = _mm512_set1_epi16(0x00FF);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wg = w + g * group_bytes;
     std::fill(total.begin(), total.end(), 0.0f);
@@ -521,10 +519,12 @@ void amx_super_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_
             __m512i pe = _mm512_maddubs_epi16(code[half], even), po = _mm512_maddubs_epi16(code[half], odd);
             if constexpr (Q::kZero != 0) pe = _mm512_sub_epi16(pe, z_words), po = _mm512_sub_epi16(po, z_words);
             const int row = 2 * u + half;  // of the super-block's 64 B rows
-            // the low (high) bytes of the even inputs' and the odd inputs' products, interleaved: one byte
-            // permute of two sources each (vpermt2b)
-            _mm512_store_si512(low + row * 64, _mm512_permutex2var_epi8(pe, low_bytes, po));
-            _mm512_store_si512(high + row * 64, _mm512_permutex2var_epi8(pe, high_bytes, po));
+            // the low (high) bytes of the even inputs' and the odd inputs' products, interleaved (word w of a
+            // B row: the byte of pe's word w, then po's): a shift and a bit-select each. Measured in one process
+            // against a byte permute (vpermt2b) each, one thread, 1024 x 1536 in cache, 8 / 16 rows, same bits:
+            // Q4_K 0.93x / 0.96x the time, Q6_K 0.95x / 0.95x.
+            _mm512_store_si512(low + row * 64, _mm512_ternarylogic_epi32(low_of_words, pe, _mm512_slli_epi16(po, 8), 0xCA));
+            _mm512_store_si512(high + row * 64, _mm512_ternarylogic_epi32(low_of_words, _mm512_srli_epi16(pe, 8), po, 0xCA));
           }
         }
       }
@@ -625,9 +625,9 @@ int64_t amx_rows(int digits) {
   const int64_t set = amx_rows_set.load();
   return set > 0 ? set : kAmxRows[digits];
 }
-// The tiles, and the byte permutes (AVX512-VBMI: every CPU with AMX has it) that build the K-quants' B tiles.
+// The tiles (the OS must grant them to the process).
 bool amx_tiles_usable() {
-  return __builtin_cpu_supports("amx-int8") && __builtin_cpu_supports("avx512vbmi") && amx_available();
+  return __builtin_cpu_supports("amx-int8") && amx_available();
 }
 // -1: not chosen yet; QUICKDRAFT_QUANT_AMX=0 keeps the vpdpbusd kernel for every call (to test it on AMX CPUs).
 std::atomic<int> use_amx{-1};

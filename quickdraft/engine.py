@@ -121,7 +121,7 @@ class Engine:
         remaining = seq.params.max_tokens - len(seq.output_ids)
         return max(0, min(cap, remaining - 1, self.max_len - len(history), self.proposer.max_draft_tokens(seq)))
 
-    def _choose_ks(self, seqs: list[Sequence]) -> list[int]:
+    def _choose_ks(self, seqs: list[Sequence], kinds: list[str]) -> list[int]:
         """Each sequence's draft length this step: its cap when K is fixed; adaptive, the k that maximises
         expected tokens per second, for one sequence from its step costs by k, for a batch from the batch's
         costs by rows (batch-aware: as verification competes for compute, drafting stops where it no longer
@@ -129,7 +129,6 @@ class Engine:
         caps = [self._cap_k(seq) for seq in seqs]
         if not self.adaptive_k:
             return caps
-        kinds = [self.proposer.draft_kind(seq) for seq in seqs]
         if len(seqs) == 1:
             return [adaptive.choose_k(self._acceptance(seqs[0], kinds[0]), self.step_costs_of(kinds[0]), caps[0])
                     if caps[0] > 0 else 0]
@@ -165,11 +164,11 @@ class Engine:
         per sequence, and sampling is per sequence. Returns the tokens each sequence committed."""
         t0 = time.perf_counter()
         self.proposer.prepare(seqs)
-        ks = self._choose_ks(seqs)
+        kinds = [self.proposer.draft_kind(seq) for seq in seqs]  # asked once a step: what keys costs and acceptance
+        ks = self._choose_ks(seqs, kinds)
         chosen = list(ks)  # the draft length (a tree's depth) asked for, which step costs are keyed by
-        kinds = [self.proposer.draft_kind(seq) for seq in seqs] if self.adaptive_k else None
         draft_forwards = self.proposer.forwards
-        proposals = self._propose(seqs, ks)
+        proposals = self._propose(seqs, ks, kinds)
         trees = [proposal.tree for proposal in proposals]  # None: a chain
         drafts = [proposal.tokens if tree is not None else proposal.tokens[:k]
                   for proposal, tree, k in zip(proposals, trees, ks)]
@@ -238,7 +237,7 @@ class Engine:
                 cache.compact(length, [length + j for j in nodes])
                 metrics.count_tree(tree.num_nodes, tree.max_depth, n)
                 if proposal.scores is not None:  # how the proposer's chances compare with what was accepted
-                    self._calibration(seq).update(float(proposal.scores.float().sum()), n)
+                    self._calibration(kinds[index]).update(float(proposal.scores.float().sum()), n)
             metrics.target_forwards += 1
             metrics.draft_forwards += draft_forwards  # the batch's draft forwards served every sequence in it
             metrics.draft_time_s += t1 - t0
@@ -261,14 +260,14 @@ class Engine:
                                         self.max_len, logprobs))
         return committed
 
-    def _propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+    def _propose(self, seqs: list[Sequence], ks: list[int], kinds: list[str]) -> list[Proposal]:
         """The step's proposals: token trees (Proposer.propose_tree_batch) for the sequences that may take one
         (trees on, a proposer that makes them, a draft this step, no grammar: a grammar checks drafts as a line),
         chains (propose_batch) for the others."""
         if self.tree is None or not self.proposer.proposes_trees:
             return self.proposer.propose_batch(seqs, ks)
-        row_worth = self._row_worth(seqs, ks) if self._auto_tree else 0.0
-        budgets = [self._tree_budget(seq, k, row_worth) for seq, k in zip(seqs, ks)]
+        row_worth = self._row_worth(seqs, ks, kinds) if self._auto_tree else 0.0
+        budgets = [self._tree_budget(seq, k, kind, row_worth) for seq, k, kind in zip(seqs, ks, kinds)]
         tree_rows = [i for i, budget in enumerate(budgets) if budget is not None]
         chain_rows = [i for i, budget in enumerate(budgets) if budget is None]
         proposals: list[Proposal | None] = [None] * len(seqs)
@@ -281,7 +280,7 @@ class Engine:
             for i, proposal in zip(chain_rows, made):
                 proposals[i] = proposal
         if self._auto_tree:
-            proposals = self._size_trees(seqs, ks, proposals)
+            proposals = self._size_trees(seqs, kinds, proposals)
         for i in tree_rows:
             tree, budget = proposals[i].tree, budgets[i]
             if tree is not None and (tree.num_nodes > budget.max_nodes or tree.max_depth > budget.max_depth or
@@ -291,13 +290,13 @@ class Engine:
                                       f"{budget.max_depth} (or its tokens are not its nodes); this is a bug")
         return proposals
 
-    def _calibration(self, seq: Sequence) -> adaptive.TreeCalibration:
-        kind = self.proposer.draft_kind(seq)
+    def _calibration(self, kind: str) -> adaptive.TreeCalibration:
+        """How the draft's tree scores of `kind` compare with what verification accepts, learned per kind."""
         if kind not in self._tree_calibration:
             self._tree_calibration[kind] = adaptive.TreeCalibration()
         return self._tree_calibration[kind]
 
-    def _size_trees(self, seqs: list[Sequence], ks: list[int], proposals: list[Proposal]) -> list[Proposal]:
+    def _size_trees(self, seqs: list[Sequence], kinds: list[str], proposals: list[Proposal]) -> list[Proposal]:
         """"tree": "auto": each candidate tree (a proposal with node scores) cut to the nodes worth verifying for
         the batch's expected tokens per second (adaptive.choose_tree_nodes over the measured step costs by rows);
         its best-first nodes by calibrated chance, down to nothing."""
@@ -308,7 +307,7 @@ class Engine:
             int(p.tokens.numel()) for i, p in enumerate(proposals) if i not in sized)
         chances, orders = [], []
         for i in sized:
-            scores = (proposals[i].scores.float().cpu() * self._calibration(seqs[i]).factor).clamp(max=1.0).tolist()
+            scores = (proposals[i].scores.float().cpu() * self._calibration(kinds[i]).factor).clamp(max=1.0).tolist()
             order = sorted(range(len(scores)), key=lambda j: (-scores[j], j))  # parents first among equals
             chances.append([scores[j] for j in order])
             orders.append(order)
@@ -321,19 +320,18 @@ class Engine:
                 out[i] = proposals[i].pruned(sorted(order[:count]))
         return out
 
-    def _row_worth(self, seqs: list[Sequence], ks: list[int]) -> float:
+    def _row_worth(self, seqs: list[Sequence], ks: list[int], kinds: list[str]) -> float:
         """"auto": what one more verification row costs, as a share of the step's time (the measured target
         cost by rows and the draft's), at the rows the chosen depths give; 0 while unmeasured. A node is worth
         its row where its chance of being on the accepted path is above the step's expected tokens times this."""
         rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) + k for seq, k in zip(seqs, ks))
-        kinds = [self.proposer.draft_kind(seq) for seq in seqs]
         step = self.batch_costs.step_seconds(rows, max(ks, default=0), sum(k > 0 for k in ks), "model" in kinds)
         now, more = self.batch_costs.target.estimate(rows, 0.0), self.batch_costs.target.estimate(rows + 1, 0.0)
         if step is None or now is None or more is None or step <= 0:
             return 0.0
         return max(0.0, more - now) / step
 
-    def _tree_budget(self, seq: Sequence, k: int, row_worth: float = 0.0) -> TreeBudget | None:
+    def _tree_budget(self, seq: Sequence, k: int, kind: str, row_worth: float = 0.0) -> TreeBudget | None:
         """The token tree seq may take this step: depth up to k (the step's draft cap) and the tree settings'
         max_depth, nodes up to max_nodes and the slots left in the context; None for a chain step. row_worth
         ("auto"): a node beyond the most probable path must be worth its row (min_chance, in the draft's own
@@ -346,9 +344,8 @@ class Engine:
             return None
         min_chance = 0.0
         if row_worth > 0:
-            kind = self.proposer.draft_kind(seq)
             expected = self._acceptance(seq, kind).expected_tokens(max_depth)
-            min_chance = min(1.0, expected * row_worth / max(self._calibration(seq).factor, 1e-6))
+            min_chance = min(1.0, expected * row_worth / max(self._calibration(kind).factor, 1e-6))
         return TreeBudget(max_nodes, max_depth, min_chance)
 
     @staticmethod

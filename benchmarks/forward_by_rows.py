@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.models.loader import load, quantized_weights, resolve
-from quickdraft.models.native import NativeRunner
+from quickdraft.models.factory import load_runner
 
 
 def main() -> None:
@@ -30,9 +29,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    source = resolve(args.model)
-    model, _ = load(source, torch.bfloat16, torch.device("cpu"))
-    runner = NativeRunner(model, quantized=quantized_weights(source, model, torch.bfloat16, torch.device("cpu")))
+    runner, _ = load_runner(args.model)
     module = runner._cpu_kernels
     if module is None or runner._native_decoder() is None:
         raise SystemExit("needs quickdraft's CPU kernels (an AVX512-BF16 CPU)")

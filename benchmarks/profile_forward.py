@@ -22,8 +22,7 @@ import time
 import torch
 
 from quickdraft.bench.costs import measure_read_bandwidth
-from quickdraft.models.loader import load, quantized_weights, resolve
-from quickdraft.models.native import NativeRunner
+from quickdraft.models.factory import load_runner
 
 
 def main() -> None:
@@ -37,12 +36,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8, help="rows of the multi-token forward")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    source = resolve(args.model)
     runners = {}
     for dtype in (["auto", "bfloat16"] if args.dtype == "both" else [args.dtype]):
-        model, _ = load(source, torch.bfloat16, torch.device("cpu"))
-        quantized = quantized_weights(source, model, torch.bfloat16, torch.device("cpu")) if dtype == "auto" else None
-        runners[dtype] = NativeRunner(model, quantized=quantized)
+        runners[dtype], _ = load_runner(args.model, keep_quantized=dtype == "auto")
         if runners[dtype]._cpu_kernels is None or runners[dtype]._native_decoder() is None:
             raise SystemExit("this profile needs quickdraft's CPU kernels (an AVX512-BF16 CPU)")
     module = runners[next(iter(runners))]._cpu_kernels

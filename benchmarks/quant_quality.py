@@ -39,16 +39,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from quickdraft.models.loader import load, quantized_weights, resolve
-    from quickdraft.models.native import NativeRunner
+    from quickdraft.models.factory import load_runner
+    from quickdraft.models.loader import load, resolve
 
     source = resolve(args.model)
     if source.gguf_path is None:
         raise SystemExit(f"{args.model} is not a GGUF model: nothing quantized to compare")
     cpu = torch.device("cpu")
     reference, tokenizer = load(source, torch.float32, cpu)
-    model, _ = load(source, torch.bfloat16, cpu)
-    runner = NativeRunner(model, quantized=quantized_weights(source, model, torch.bfloat16, cpu))
+    runner, _ = load_runner(args.model)
     if runner.quantized_weights is None:
         raise SystemExit("this comparison needs quickdraft's quantized CPU kernels (an AVX512-BF16 CPU)")
     module = runner._cpu_kernels

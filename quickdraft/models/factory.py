@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.base import Runner
 from quickdraft.models.gguf_weights import QuantizedWeights
 from quickdraft.models.hf import HFRunner
+from quickdraft.models.loader import load_for_runner, resolve
 from quickdraft.models.native import NativeRunner, supports
 
 RUNNERS = ("auto", "native", "hf")
@@ -32,3 +34,14 @@ def make_runner(model: nn.Module, name: str, kind: str = "auto", quantized: Quan
 def quantized(runner: Runner, scheme: str) -> Runner:
     """A weight-only quantized copy of `runner` (for drafts); only native runners have one."""
     return runner.quantized(scheme)
+
+
+def load_runner(model: str, kind: str = "native", dtype: torch.dtype = torch.bfloat16,
+                device: torch.device | str = "cpu", keep_quantized: bool = True):
+    """(runner, tokenizer) for a model id, directory or GGUF file, loaded as LLM loads its target (a GGUF file's
+    blocks kept where the native runner can, unless keep_quantized is False: then widened to dtype): what
+    benchmarks and tools that time a runner alone start from."""
+    source, device = resolve(model), torch.device(device)
+    loaded, tokenizer, quantized_blocks = load_for_runner(source, dtype, device,
+                                                          keep_quantized=keep_quantized and kind != "hf")
+    return make_runner(loaded, model, kind, quantized_blocks), tokenizer

@@ -245,3 +245,24 @@ def test_the_qwen_pair_greedy_speculative_equals_plain():
     expected = plain.chat(chat, sp)[0].outputs[0]
     out = pair.chat(chat, sp)[0]
     assert out.outputs[0].token_ids == expected.token_ids and out.metrics.accepted_tokens > 0
+
+
+def test_load_runner_keeps_the_blocks_or_widens_them_as_asked(tiny_gguf, tmp_path, monkeypatch):
+    """factory.load_runner (what the benchmarks time): the direct load's native runner with the file's blocks,
+    the same logits as load_for_runner + make_runner; keep_quantized=False a bf16 runner with none; hf no
+    blocks."""
+    _kernels_or_skip()
+    from quickdraft.models.factory import load_runner, make_runner
+    from quickdraft.models.hf import HFRunner
+    from quickdraft.models.native import NativeRunner
+
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
+    runner, _ = load_runner(str(tiny_gguf))  # (the tiny file has no tokenizer)
+    assert isinstance(runner, NativeRunner) and runner.quantized_weights is not None
+    model, _, packed = loader.load_for_runner(loader.resolve(str(tiny_gguf)), torch.bfloat16, torch.device("cpu"))
+    reference = make_runner(model, "tiny", "native", packed)
+    ids = torch.tensor([3, 17, 200, 5])
+    assert torch.equal(runner.forward(runner.new_cache(), ids, 4), reference.forward(reference.new_cache(), ids, 4))
+    widened, _ = load_runner(str(tiny_gguf), keep_quantized=False)
+    assert isinstance(widened, NativeRunner) and widened.quantized_weights is None
+    assert isinstance(load_runner(str(tiny_gguf), kind="hf")[0], HFRunner)

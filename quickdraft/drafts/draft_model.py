@@ -229,7 +229,12 @@ class DraftModelProposer(Proposer):
         grow_trees(seqs, trees, logits, max(depth[j] for j in grown), forward_level)
         for j in grown:
             tree, state = trees[j], seqs[j].draft_state
-            caches[j].rollback(tree.base)  # the committed history: the tree's slots are no path
+            # The draft cache keeps the tree's most probable expanded path (its keys are those of the path's
+            # tokens in a line), every other tree slot dropped: where verification accepts that path, the next
+            # step's catch-up (cache.sync) reads only the bonus token instead of re-feeding the path. Measured on
+            # the Qwen pair, a chain-shaped tree drafted ~10 ms a step slower than the chain when every tree
+            # slot was dropped (the next step fed up to depth + 1 rows).
+            caches[j].compact(tree.base, [tree.base + slot for slot in tree.top_path_slots()])
             state.tree_at, state.tree_depth = tree.base, max((tree.depth[n] for n in tree.best()), default=0)
             out[j] = deterministic_tree_proposal(*tree.proposal_nodes(), seqs[j].device, catch_ups[j])
         return out

@@ -226,12 +226,14 @@ def test_draft_model_tree_levels_attention_budget_and_rollback():
     assert proposal.scores.tolist() == pytest.approx([0.6, 0.3, 0.36, 0.18, 0.18, 0.216])
     assert proposal.probs is None and not proposal.tree.needs_draft_probs
     assert proposal.catch_up == 1  # the prompt, as a chain counts it: what a step adds is 2 tokens
-    assert len(seq.draft_state.kv_cache) == 3  # rolled back to the committed history
-    # The step accepts 4 5 and adds 6: the next proposal reads them again, which is not a catch-up.
+    # The cache keeps the committed history and the tree's most probable expanded path, 4 (slot 3) -> 5 (slot
+    # 6, moved to 4); the other tree slots are dropped.
+    assert seq.draft_state.kv_cache.token_ids == [1, 2, 3, 4, 5]
+    # The step accepts 4 5 and adds 6: the next proposal reads only the 6.
     seq.commit([4, 5], 6, 6, set(), 64)
     runner.calls.clear()
     (second,) = proposer.propose_tree_batch([seq], [TreeBudget(6, 3)])
-    assert runner.calls[0][:3] == ([3], [[4, 5, 6]], [1])
+    assert runner.calls[0][:3] == ([5], [[6]], [1])
     assert second.catch_up == 0 and second.tokens.tolist()[:2] == [7, 0]
     # A chain after that tree reads what the tree's step committed without a catch-up either.
     seq.commit([7], 6, 0, set(), 64)
@@ -251,7 +253,8 @@ def test_draft_model_tree_batches_every_sequence_per_level():
     assert first.tokens.tolist() == [4, 5, 5, 6, 6, 6]
     assert shallow.tokens.tolist() == [6, 7, 0] and shallow.tree.parents.tolist() == [-1, -1, -1]
     assert none.tokens.numel() == 0
-    assert [len(seq.draft_state.kv_cache) for seq in seqs] == [3, 1, 0]
+    # the first keeps its history and its top expanded path (4 5); the depth-1 tree expanded nothing
+    assert [len(seq.draft_state.kv_cache) for seq in seqs] == [5, 1, 0]
 
 
 def test_draft_model_tree_of_a_chain_budget_reranks_siblings():
@@ -302,7 +305,8 @@ def test_draft_model_tree_grammar_drafts_a_chain_and_context_limits():
     runner.calls.clear()
     (near_end,) = proposer.propose_tree_batch([long], [TreeBudget(6, 3)])
     assert [len(call[1][0]) for call in runner.calls] == [63, 1]  # one tree slot fed
-    assert near_end.tree.max_depth == 2 and len(long.draft_state.kv_cache) == 63
+    # the cache: the history and the top path's one expanded node
+    assert near_end.tree.max_depth == 2 and long.draft_state.kv_cache.token_ids == [1] * 63 + [near_end.tokens[0]]
 
 
 @pytest.mark.parametrize("budget", [TreeBudget(1, 1), TreeBudget(5, 2), TreeBudget(16, 6)])
@@ -345,18 +349,27 @@ def test_draft_model_tree_on_the_kernels_is_the_tree_of_its_paths_in_a_line(view
               "int8": lambda r: r.quantized("int8")}[view](NativeRunner(model))
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (21,), generator=torch.Generator().manual_seed(3)).tolist()
-    proposals = []
+    proposals, seconds, kept = [], [], []
     for draft_runner in (runner, _LineRunner(runner)):
         proposer = DraftModelProposer(draft_runner, vocab)
         seq = _sequence(prompt, vocab=vocab)
         seq.draft_state = proposer.new_state(seq)
         (proposal,) = proposer.propose_tree_batch([seq], [TreeBudget(12, 4)])
-        assert len(seq.draft_state.kv_cache) == len(prompt)
+        cached = seq.draft_state.kv_cache.token_ids
+        assert cached[:len(prompt)] == prompt and len(cached) > len(prompt)  # the history, then the top path
+        kept.append(list(cached))
         proposals.append(proposal)
+        # The step accepts the kept path's first two tokens and adds another: the next tree reads the third only
+        # (on the kernels from the compacted path's keys, on the reference from the tokens in a line).
+        seq.commit(cached[len(prompt):len(prompt) + 2], 2, 5, set(), draft_runner.max_len)
+        (second,) = proposer.propose_tree_batch([seq], [TreeBudget(12, 4)])
+        seconds.append(second)
     tree, line = proposals
     assert tree.tree is not None and tree.tokens.numel() == 12 and tree.tree.max_depth > 1
-    assert tree.tokens.tolist() == line.tokens.tolist()
+    assert tree.tokens.tolist() == line.tokens.tolist() and kept[0] == kept[1]
     assert tree.tree.parents.tolist() == line.tree.parents.tolist()
+    assert seconds[0].tokens.tolist() == seconds[1].tokens.tolist()
+    assert seconds[0].tree.parents.tolist() == seconds[1].tree.parents.tolist()
 
 
 def test_dynamic_tree_min_chance_keeps_the_most_probable_path_and_siblings_worth_a_row():

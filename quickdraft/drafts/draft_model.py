@@ -12,8 +12,9 @@ Asked for a token tree (propose_tree_batch), it grows an EAGLE-2 tree (drafts/tr
 ONE batched draft forward over every sequence's frontier, attending as a tree (models.base.TreeAttention); the
 children of a node are its most probable tokens (DETERMINISTIC: exact at every temperature without q), ranked
 by the draft's processed distribution, or for a seeded request by the noise-coupled scores its draw would use.
-The tree's slots are no path, so the draft cache is rolled back to the committed history afterwards and the next
-step reads the accepted tokens again. A grammar-constrained sequence drafts a chain."""
+Afterwards the draft cache keeps the committed history and the tree's most probable expanded path (compacted
+after it; every other tree slot dropped): the next step's catch-up keeps what of it was accepted and reads the
+rest. A grammar-constrained sequence drafts a chain."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class DraftModelState(DraftState):
     kv_cache: Any = None  # the draft runner's SequenceCache
     translation: Translation | None = None
     # The draft history length and depth of the token tree proposed last (None: a chain), whose accepted path
-    # the next step reads again (the cache was rolled back to the history): not a catch-up.
+    # the next step may read again (where it left the tree's kept path): not a catch-up.
     tree_at: int | None = None
     tree_depth: int = 0
 

@@ -439,3 +439,15 @@ def test_cli_checks_input_before_loading(tmp_path, argv, message, monkeypatch):
     args = _tune_args(["--model", "smollm2-135m", *[a.format(tmp=tmp_path) for a in argv]])
     with pytest.raises(QuickdraftError, match=message):
         args.func(args)
+
+
+def test_recommended_json_holds_a_tree_and_refuses_a_model_object():
+    """A tree's settings are a dict JSON holds (a tuned tree draft's config used to be refused: the tree test
+    failed whenever a draft beat plain decoding); a draft given as a model object is refused by name."""
+    def report(config):
+        return tune_report.TuneReport("m", 1, 1, 2, 0.0, 0, {}, {}, None, [], config)
+
+    config = {"method": "ngram", "num_speculative_tokens": 2, "tree": {"max_nodes": 4, "max_depth": 2}}
+    assert json.loads(report(config).recommended_json) == config
+    with pytest.raises(QuickdraftError, match="'model' is a Linear object"):
+        _ = report({"method": "draft_model", "model": torch.nn.Linear(2, 2)}).recommended_json

@@ -152,6 +152,15 @@ class SweepReport:
         return "\n".join(lines)
 
 
+def _plain_json(value: Any) -> bool:
+    """Whether JSON holds `value` as it is: a scalar, or a dict / list of such (a tree's {"max_nodes", ...})."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain_json(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_plain_json(v) for v in value)
+    return isinstance(value, (str, int, float, bool, type(None)))
+
+
 @dataclass
 class TuneReport:
     model: str
@@ -173,7 +182,7 @@ class TuneReport:
     def recommended_json(self) -> str:
         """The recommended speculative_config as JSON (what --out holds)."""
         for key, value in self.recommended_config.items():
-            if not isinstance(value, (str, int, float, bool, type(None))):
+            if not _plain_json(value):  # e.g. a draft given as a model object
                 raise QuickdraftError(f"the recommended speculative_config's {key!r} is a {type(value).__name__} "
                                       "object, which JSON cannot hold; give the draft model as an alias or path to "
                                       "write the config")

@@ -126,8 +126,6 @@ class DynamicTree:
     def add_children(self, node: int, probs: torch.Tensor) -> None:
         """The top_k tokens of `probs` [V] (the draft's probabilities after `node`'s path; -1: the root) that have
         any probability, as candidate children of node."""
-        if node >= 0 and self.depth[node] >= self.max_depth:
-            return
         values, ids = torch.topk(probs.double(), min(self.top_k, probs.shape[-1]))
         self.add_top_children(node, values, ids)
 
@@ -213,16 +211,18 @@ def rank_children(seq, tree: DynamicTree, nodes: list[int], logits: torch.Tensor
     # a softmax in float64 over the whole vocabulary a row, and its top-k, were ~5 ms of a 4-level tree's step
     # on the Qwen pair's 151,936 tokens (profiled: a chain-shaped tree drafted ~10 ms a step slower than the chain).
     k = min(tree.top_k, processed.shape[-1])
-    if seq.params.greedy or seq.noise_key is not None:
-        if seq.params.greedy:
-            scores = processed
-        else:  # the frontier is one depth: one output position's noise
-            log_noise = seq.log_noise(len(seq.output_ids) + len(paths[0]), 1, processed.shape[-1])
-            scores = sampling.scores_with_log_noise(processed, log_noise)
-        top, ids = torch.topk(scores.float(), k)
-        probs = (top.double() - torch.logsumexp(scores.float(), -1, keepdim=True).double()).exp()
+    if seq.params.greedy:
+        scores = processed.float()
+    elif seq.noise_key is not None:  # the frontier is one depth: one output position's noise
+        log_noise = seq.log_noise(len(seq.output_ids) + len(paths[0]), 1, processed.shape[-1])
+        scores = sampling.scores_with_log_noise(processed, log_noise).float()
     else:  # the draft's probabilities already
+        scores = None
+    if scores is None:
         probs, ids = torch.topk(processed.float(), k)
+    else:
+        top, ids = torch.topk(scores, k)
+        probs = (top.double() - torch.logsumexp(scores, -1, keepdim=True).double()).exp()
     for node, row, row_ids in zip(nodes, probs, ids):
         tree.add_top_children(node, row, row_ids)
 

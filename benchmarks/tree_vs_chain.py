@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/tree_vs_chain.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b]
         [--depth 4] [--tree 16,4|auto] [--code-prompts 4] [--spec-bench 4] [--max-new-tokens 128]
-        [--temperatures 0,0.8] [--threads 2]
+        [--temperatures 0,0.8] [--threads 2] [--adaptive-chain]
 
 --draft: a draft model (alias, path), or a method name (eagle, ngram, suffix) for a method without a model.
 Prompts are held out from the other benchmarks: the last HumanEval-style stubs of vs_llamacpp_pair.py and
@@ -56,6 +56,9 @@ def main() -> None:
     parser.add_argument("--temperatures", default="0,0.8")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default=None, help="the target's dtype (default: the loader's)")
+    parser.add_argument("--adaptive-chain", action="store_true",
+                        help="the chain sizes K by adaptive K (at most --depth) instead of a fixed K: the fair "
+                             "baseline for --tree auto, whose depth adaptive K chooses")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -71,7 +74,7 @@ def main() -> None:
     method = {"method": args.draft} if args.draft in MODEL_LESS else {"method": "draft_model", "model": args.draft}
     base = {**method, "num_speculative_tokens": args.depth, "adaptive": False}
     options = {"dtype": args.dtype} if args.dtype else {}
-    chain = LLM(args.target, speculative_config=base, **options)
+    chain = LLM(args.target, speculative_config={**base, "adaptive": args.adaptive_chain}, **options)
     tree_llm = chain.with_speculative_config({**base, "tree": tree})
     tokenizer = chain.tokenizer
     texts, kinds = held_out_prompts(args.code_prompts, args.spec_bench)
@@ -109,7 +112,7 @@ def main() -> None:
                       f"{r['per_forward']:.2f} tokens/forward, {r['nodes']:.1f} drafts/step", flush=True)
     print(f"\n{args.target} + {args.draft}: {len(prompts)} held-out prompts ({args.code_prompts} code, "
           f"{len(prompts) - args.code_prompts} Spec-Bench), {n} new tokens, {args.threads} threads; chain K={args.depth} "
-          f"vs tree {args.tree} (adaptive K off)")
+          f"vs tree {args.tree} ({'chain with adaptive K' if args.adaptive_chain else 'adaptive K off'})")
     print("| T | method | median tok/s | tokens / target forward | drafts / step | tree/chain tok/s | "
           "tree/chain tokens/forward | greedy text = chain |")
     print("|---|---|---|---|---|---|---|---|")

@@ -194,11 +194,22 @@ class DynamicTree:
                                                     for n in ordered], [math.exp(self.logp[n]) for n in ordered])
 
 
-def rank_children(seq, tree: DynamicTree, nodes: list[int], logits: torch.Tensor) -> None:
+def ranks_on_part(seq) -> bool:
+    """Whether a draft scoring part of the vocabulary may rank seq's children on those tokens alone: nothing
+    in the request's processing depends on token ids (no penalties, logit bias, grammar or seeded noise), so
+    temperature, top-k, top-p and min-p over the part give the full row's result (its other tokens are -inf)."""
+    return seq.penalties is None and not seq.params.logit_bias and seq.grammar is None and seq.noise_key is None
+
+
+def rank_children(seq, tree: DynamicTree, nodes: list[int], logits: torch.Tensor,
+                  vocab_ids: torch.Tensor | None = None) -> None:
     """Rank the children of `nodes` (-1: the root) of a draft's DynamicTree from its logits after each
-    [len(nodes), V_target] (-inf for tokens it cannot propose):
+    [len(nodes), V_target] (-inf for tokens it cannot propose), or [len(nodes), V'] over the tokens vocab_ids
+    [V'] (a draft of part of the vocabulary; only where ranks_on_part(seq)):
     the draft's processed distribution (softmax of the penalised logits for a greedy request); for a seeded
     request the softmax of the noise-coupled scores its draw at that position maximises."""
+    if vocab_ids is not None and not ranks_on_part(seq):
+        raise ValueError("rank_children: this request's processing reads token ids; pass full-vocabulary logits")
     logits = logits.to(seq.device)
     paths = [tree.path(n) for n in nodes]
     if seq.penalties is None:  # rows do not depend on their paths: one call
@@ -223,18 +234,22 @@ def rank_children(seq, tree: DynamicTree, nodes: list[int], logits: torch.Tensor
     else:
         top, ids = torch.topk(scores, k)
         probs = (top.double() - torch.logsumexp(scores, -1, keepdim=True).double()).exp()
+    if vocab_ids is not None:
+        ids = vocab_ids.to(ids.device)[ids]
     for node, row, row_ids in zip(nodes, probs, ids):
         tree.add_top_children(node, row, row_ids)
 
 
-def grow_trees(seqs, trees: dict[int, DynamicTree], root_logits: torch.Tensor, levels: int, forward_level) -> None:
+def grow_trees(seqs, trees: dict[int, DynamicTree], root_logits: torch.Tensor, levels: int, forward_level,
+               vocab_ids: torch.Tensor | None = None) -> None:
     """Grow each sequence's DynamicTree level by level (EAGLE-2): rank the root's children from root_logits
     [len(trees), V_target] (a row per tree, in the dict's order), then for each level below `levels` let every
     tree that has nodes worth expanding pick its frontier, run forward_level(rows) (ONE draft forward writing the
     frontiers of trees[j], j in rows, in that order; it returns their logits [sum of frontiers, V_target]) and
-    rank the frontier's children. seqs[j] is the sequence of trees[j]."""
+    rank the frontier's children. seqs[j] is the sequence of trees[j]. vocab_ids: the logits are over these
+    tokens [V'] instead (rank_children)."""
     for row, j in enumerate(trees):
-        rank_children(seqs[j], trees[j], [-1], root_logits[row:row + 1])
+        rank_children(seqs[j], trees[j], [-1], root_logits[row:row + 1], vocab_ids)
     for level in range(1, levels):
         rows = [j for j in trees if trees[j].next_frontier(level)]
         if not rows:
@@ -242,5 +257,5 @@ def grow_trees(seqs, trees: dict[int, DynamicTree], root_logits: torch.Tensor, l
         logits, offset = forward_level(rows), 0
         for j in rows:
             count = len(trees[j].frontier)
-            rank_children(seqs[j], trees[j], trees[j].frontier, logits[offset:offset + count])
+            rank_children(seqs[j], trees[j], trees[j].frontier, logits[offset:offset + count], vocab_ids)
             offset += count

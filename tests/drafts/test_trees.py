@@ -16,7 +16,7 @@ from quickdraft.drafts.draft_model import DraftModelProposer
 from quickdraft.drafts.ngram import NgramProposer
 from quickdraft.drafts.suffix import SuffixProposer
 from quickdraft.drafts.suffix_tree import SuffixIndex
-from quickdraft.drafts.trees import DynamicTree, deterministic_tree_proposal, frequency_trie
+from quickdraft.drafts.trees import DynamicTree, deterministic_tree_proposal, frequency_trie, rank_children
 from quickdraft.models.base import TreeAttention
 from quickdraft.params import SamplingParams
 from quickdraft.sequence import Sequence
@@ -71,6 +71,30 @@ def test_dynamic_tree_expands_the_best_of_each_level_and_keeps_the_best_nodes():
     assert chances == pytest.approx([0.5, 0.3, 0.45, 0.3])
     assert tree.next_frontier(3) == []  # the depth budget
     assert tree.path(5) == [2, 3]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0),
+                                    SamplingParams(temperature=0.8, top_k=3, top_p=0.9, min_p=0.05)])
+def test_rank_children_on_part_of_the_vocabulary_is_the_full_rows_ranking(params):
+    """A draft that scores V' of the V tokens (eagle's head) ranks children on its own rows: the same children,
+    tokens and path probabilities as on full-vocabulary rows with -inf elsewhere."""
+    vocab_ids = torch.tensor([1, 3, 4, 6, 7])
+    part = torch.tensor([[2.0, -1.0, 0.5, 1.5, 0.0], [0.1, 3.0, -2.0, 0.4, 1.0]])
+    full = torch.full((2, V), float("-inf"))
+    full[:, vocab_ids] = part
+    trees = []
+    for logits, ids in ((part, vocab_ids), (full, None)):
+        tree = DynamicTree(base=3, max_nodes=6, max_depth=2, capacity=10)
+        rank_children(_sequence([1, 2, 3], params), tree, [-1], logits[:1], ids)
+        frontier = tree.next_frontier(1)
+        rank_children(_sequence([1, 2, 3], params), tree, frontier, logits[1:].expand(len(frontier), -1), ids)
+        trees.append(tree)
+    assert trees[0].tokens == trees[1].tokens and trees[0].parents == trees[1].parents
+    assert trees[0].logp == pytest.approx(trees[1].logp, rel=1e-6)
+    assert set(trees[0].tokens) <= set(vocab_ids.tolist())
+    with pytest.raises(ValueError, match="full-vocabulary"):  # penalties read token ids: not on a part
+        rank_children(_sequence([1, 2, 3], SamplingParams(temperature=0, repetition_penalty=1.2)),
+                      DynamicTree(base=3, max_nodes=6, max_depth=2, capacity=10), [-1], part[:1], vocab_ids)
 
 
 def test_dynamic_tree_respects_the_cache_capacity():

@@ -200,7 +200,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weights"), py::arg("types"), py::arg("float_output") = false);
   m.def("quant_kernel", &get_quant_kernel, "the quantized linear kernel in use: bf16, int8 or int16 (integer digits "
         "an activation, AVX512-VNNI)");
-  m.def("set_quant_kernel", &set_quant_kernel, "choose the quantized linear kernel (bf16, int8, int16); returns the "
+  m.def("set_quant_kernel", &set_quant_kernel, "choose the quantized linear kernel (bf16, int8, int8x32, int16); returns the "
         "one before");
   m.def("quant_amx", &get_quant_amx, "whether the integer quantized kernels run calls of many rows on AMX-INT8 tiles");
   m.def("set_quant_amx", &set_quant_amx, "AMX-INT8 tiles for calls of many rows on (where the CPU has them) or off; "

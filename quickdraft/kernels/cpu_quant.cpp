@@ -41,7 +41,7 @@
 // The integer-dot-product kernels (cpu_quant_vnni.cpp): whether this CPU runs them, and y = x W^T on them.
 bool quant_vnni_available();
 torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
-                                const std::vector<int64_t>& types, int digits, bool float_output);
+                                const std::vector<int64_t>& types, int digits, bool fine, bool float_output);
 
 namespace {
 
@@ -289,18 +289,20 @@ void check_weight(const torch::Tensor& w, int64_t type, int64_t K) {
 }
 
 // Which kernel linear_quant runs (process-wide: it decides the model's numerics, as a dtype does). kInt8: one
-// int8 digit an activation, kInt16: two (cpu_quant_vnni.cpp), kBf16: bf16 activations and codes (this file).
-constexpr int kBf16 = 0, kInt8 = 1, kInt16 = 2;
-constexpr const char* kKernelNames[] = {"bf16", "int8", "int16"};
+// int8 digit an activation, a scale per weight block (256 for the K-quants: llama.cpp's Q8_K way); kInt8x32: one
+// digit, a scale per 32 activations for every type (llama.cpp's Q8_0 way); kInt16: two digits, a scale per weight
+// block (cpu_quant_vnni.cpp); kBf16: bf16 activations and codes (this file).
+constexpr int kBf16 = 0, kInt8 = 1, kInt16 = 2, kInt8x32 = 3, kKernels = 4;
+constexpr const char* kKernelNames[] = {"bf16", "int8", "int16", "int8x32"};
 // The default where the CPU has VNNI: int16, whose quality matched llama.cpp's where int8's did not (RESULTS.md,
 // session 13: next-token agreement and KL against the float32 model); int8 costs 0.6x its compute at 8 rows.
 constexpr int kDefaultKernel = kInt16;
 std::atomic<int> quant_kernel{-1};  // -1: not chosen yet
 
 int kernel_by_name(const std::string& name) {
-  for (int k = 0; k < 3; ++k)
+  for (int k = 0; k < kKernels; ++k)
     if (name == kKernelNames[k]) return k;
-  TORCH_CHECK(false, "unknown quantized kernel '", name, "' (choose bf16, int8 or int16)");
+  TORCH_CHECK(false, "unknown quantized kernel '", name, "' (choose bf16, int8, int8x32 or int16)");
   return kBf16;
 }
 
@@ -318,7 +320,7 @@ int quant_kernel_in_use() {
 
 }  // namespace
 
-// The quantized kernel linear_quant runs ("bf16", "int8", "int16"); set_quant_kernel(name) chooses another and
+// The quantized kernel linear_quant runs ("bf16", "int8", "int8x32", "int16"); set_quant_kernel(name) chooses another and
 // returns the one before. The integer kernels need AVX512-VNNI.
 std::string get_quant_kernel() { return kKernelNames[quant_kernel_in_use()]; }
 std::string set_quant_kernel(const std::string& name) {
@@ -351,7 +353,8 @@ torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tens
     mins = mins || info(types[i]).mins;
   }
   const int kernel = quant_kernel_in_use();
-  if (kernel != kBf16) return linear_quant_vnni(x, weights, types, kernel == kInt8 ? 1 : 2, float_output);
+  if (kernel != kBf16)
+    return linear_quant_vnni(x, weights, types, kernel == kInt16 ? 2 : 1, kernel == kInt8x32, float_output);
   auto y = torch::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
   const auto* xp = reinterpret_cast<const int32_t*>(x.data_ptr<c10::BFloat16>());

@@ -238,6 +238,16 @@ inline __m512 add_super_block(__m512 total, __m512 part, __m512 d, float s, cons
   return total;
 }
 
+// The same with a scale per 32 activations (int8x32): part = sum over the 32s of float(sum_j sc_j dot_j) s, then
+// total += part d and the mins' terms as add_super_block's (sum32 holds each 32's own s times its sum of v).
+template <class Q>
+inline __m512 add_fine_super_block(__m512 total, __m512 part, __m512 d, const __m512* mn, const float* sum32) {
+  total = _mm512_fmadd_ps(part, d, total);
+  if constexpr (Q::kMin)
+    for (int j = 0; j < Q::kSubs; ++j) total = _mm512_fmadd_ps(mn[j], _mm512_set1_ps(sum32[j]), total);
+  return total;
+}
+
 // --- the kernel -----------------------------------------------------------------------------------------------
 
 // Fetch about 16 KB ahead in every stream of weights (past a group's end lies the next group's start), spread over
@@ -257,10 +267,15 @@ inline void prefetch_share(const uint8_t* const* chunks, int count, int u) {
 
 // Rows m0 .. m0+MR of the activations by NB groups of 16 outputs, over all of K, with D digits an activation.
 // w: the chunks of the tile's first group (groups `group_bytes` apart); y: the tile's first output of row m0.
-template <class Q, int MR, int NB, int D, class Y>
+// F (fine): the K-quants' activations carry a scale per 32 inputs (the int8x32 scheme), not per super-block: a
+// super-block's sum_j sc_j dot_j is made float32 32 inputs at a time, times that 32's s, and d scales the sum.
+template <class Q, int MR, int NB, int D, bool F, class Y>
 void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_bytes, int64_t super_blocks,
           Y* y, int64_t ldy) {
   constexpr bool kSuper = Q::kSubs > 1;
+  constexpr bool kFine = kSuper && F;
+  static_assert(!kFine || D == 1, "a scale per 32 inputs is a one-digit scheme");
+  constexpr int kSubsPer32 = kSuper ? 32 / Q::kSubK : 1;  // Q4_K 1, Q6_K 2
   const int64_t K = a.K, scales_per_row = K / a.block;
   const int8_t* high[MR];
   const int8_t* low[MR];
@@ -283,10 +298,13 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_byte
     for (int j = 0; j < NB; ++j) chunk[j] = w + j * group_bytes + b * Q::kChunk;
     const int64_t k0 = b * Q::SB;
     __m512i whole[MR][NB][D];  // K-quants: the super-block's sum_j sc_j dot_j, per digit (super_block_part)
+    __m512 fine[MR][NB];       // kFine: the super-block's sum over its 32s of float(sum_j sc_j dot_j) s
     if constexpr (kSuper)
       for (int m = 0; m < MR; ++m)
-        for (int j = 0; j < NB; ++j)
+        for (int j = 0; j < NB; ++j) {
           for (int e = 0; e < D; ++e) whole[m][j][e] = _mm512_setzero_si512();
+          if constexpr (kFine) fine[m][j] = _mm512_setzero_ps();
+        }
     for (int s = 0; s < Q::kSubs; ++s) {
       const int64_t ks = k0 + s * Q::kSubK;
       __m512i acc[MR][NB], acc_low[MR][NB];
@@ -331,6 +349,14 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_byte
             whole[m][j][0] = _mm512_add_epi32(whole[m][j][0], _mm512_mullo_epi32(acc[m][j], sc));
             if constexpr (D == 2) whole[m][j][1] = _mm512_add_epi32(whole[m][j][1], _mm512_mullo_epi32(acc_low[m][j], sc));
           }
+          if constexpr (kFine) {
+            if (s % kSubsPer32 == kSubsPer32 - 1)  // a 32's last sub-block: its integer sum (exact: < 2^24) to float
+              for (int m = 0; m < MR; ++m) {
+                fine[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole[m][j][0]), _mm512_set1_ps(scale[m][ks / 32]),
+                                             fine[m][j]);
+                whole[m][j][0] = _mm512_setzero_si512();
+              }
+          }
         } else {
           const __m512 sc = Q::sub_scale(chunk[j], s), mn = Q::sub_min(chunk[j], s);
           for (int m = 0; m < MR; ++m) {
@@ -346,9 +372,11 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_byte
         const __m512 d = Q::super_scale(chunk[j]);
         __m512 mn[Q::kMin ? Q::kSubs : 1];
         Q::mins(chunk[j], mn);
-        for (int m = 0; m < MR; ++m)
-          total[m][j] = add_super_block<Q>(total[m][j], super_block_part<D>(whole[m][j]), d, scale[m][b], mn,
-                                           sum32[m] + k0 / 32);
+        for (int m = 0; m < MR; ++m) {
+          if constexpr (kFine) total[m][j] = add_fine_super_block<Q>(total[m][j], fine[m][j], d, mn, sum32[m] + k0 / 32);
+          else total[m][j] = add_super_block<Q>(total[m][j], super_block_part<D>(whole[m][j]), d, scale[m][b], mn,
+                                                sum32[m] + k0 / 32);
+        }
       }
     }
   }
@@ -360,15 +388,15 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_byte
 // Groups [g0, g1) of one weight, all rows. One or two rows take 4 groups a tile (independent accumulators hide
 // the dot product's latency); more rows go in blocks of at most 8 (as even as possible) by one group: the
 // group's chunks come from memory once, for the first block, and from cache for the others.
-template <class Q, int D, class Y>
+template <class Q, int D, bool F, class Y>
 void groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y, int64_t ldy) {
   const int64_t M = a.M, super_blocks = a.K / Q::SB, group_bytes = super_blocks * Q::kChunk;
   auto at = [&](int64_t g) { return w + g * group_bytes; };
   int64_t g = g0;
   if (M <= 2) {
     for (; g + 4 <= g1; g += 4) {
-      if (M == 1) tile<Q, 1, 4, D>(a, 0, at(g), group_bytes, super_blocks, y + g * 16, ldy);
-      else tile<Q, 2, 4, D>(a, 0, at(g), group_bytes, super_blocks, y + g * 16, ldy);
+      if (M == 1) tile<Q, 1, 4, D, F>(a, 0, at(g), group_bytes, super_blocks, y + g * 16, ldy);
+      else tile<Q, 2, 4, D, F>(a, 0, at(g), group_bytes, super_blocks, y + g * 16, ldy);
     }
   }
   const int64_t row_blocks = (M + 7) / 8, block_rows = (M + row_blocks - 1) / row_blocks;
@@ -376,7 +404,7 @@ void groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y
     for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
       Y* ym = y + m0 * ldy + g * 16;
 #define QD_TILE(R) \
-  case R: tile<Q, R, 1, D>(a, m0, at(g), group_bytes, super_blocks, ym, ldy); break;
+  case R: tile<Q, R, 1, D, F>(a, m0, at(g), group_bytes, super_blocks, ym, ldy); break;
       switch (std::min<int64_t>(block_rows, M - m0)) { QD_TILE(1) QD_TILE(2) QD_TILE(3) QD_TILE(4) QD_TILE(5) QD_TILE(6) QD_TILE(7) QD_TILE(8) }
 #undef QD_TILE
     }
@@ -659,10 +687,14 @@ int64_t set_quant_amx_rows(int64_t rows) {
 }
 
 // y = x [W_0; W_1; ...]^T as cpu_quant.cpp's linear_quant (which checked the arguments), with `digits` (1 or 2)
-// integer digits an activation; y float32 if float_output, else bf16. Runs only where quant_vnni_available().
+// integer digits an activation, a scale per 32 activations for every type if `fine` (one digit only: int8x32),
+// else per weight block (256 for the K-quants); y float32 if float_output, else bf16. Runs only where
+// quant_vnni_available(). With `fine` the K-quants stay on vpdpbusd (amx_super_groups folds one activation scale per
+// super-block).
 torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
-                                const std::vector<int64_t>& types, int digits, bool float_output) {
+                                const std::vector<int64_t>& types, int digits, bool fine, bool float_output) {
   TORCH_CHECK(digits == 1 || digits == 2, "digits must be 1 or 2");
+  TORCH_CHECK(!fine || digits == 1, "a scale per 32 activations is a one-digit scheme");
   const int64_t M = x.size(0), K = x.size(1);
   struct Part {
     const uint8_t* w;
@@ -696,13 +728,13 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
   // rows runs on tiles. set_quant_amx_rows(n) puts every call of n rows or more on tiles, for the tests of every
   // tiling.
   const int64_t waste = (pass - M % pass) % pass;
-  const bool tiles = M >= amx_rows(digits) && amx_int8_in_use();  // K-quants
-  const bool block_tiles = tiles && (amx_rows_set.load() > 0 || waste <= pass / 4);
-  const int64_t rows = tiles ? (M + pass - 1) / pass * pass : M;
+  const bool block_tiles = M >= amx_rows(digits) && amx_int8_in_use() && (amx_rows_set.load() > 0 || waste <= pass / 4);
+  const bool tiles = !fine && M >= amx_rows(digits) && amx_int8_in_use();  // K-quants
+  const int64_t rows = tiles || block_tiles ? (M + pass - 1) / pass * pass : M;
   Activations acts[4];
   for (int wide = 0; wide < 2; ++wide)
     for (int nibbles = 0; nibbles < 2; ++nibbles)
-      if (needed[wide][nibbles]) quantize(xp, M, rows, K, wide ? 256 : 32, digits, nibbles, acts[2 * wide + nibbles]);
+      if (needed[wide][nibbles]) quantize(xp, M, rows, K, wide && !fine ? 256 : 32, digits, nibbles, acts[2 * wide + nibbles]);
   auto run = [&](auto* yp) {
     at::parallel_for(0, total_groups, 4, [&](int64_t begin, int64_t end) {
       int64_t base = 0;
@@ -720,8 +752,9 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
               else if (tile_rows == 8) amx_kernel<Q, 2, 8>(a, part.w, g0, g1, yq, N);
               else amx_kernel<Q, 2, 16>(a, part.w, g0, g1, yq, N);
             }
-            else if (digits == 1) groups<Q, 1>(a, part.w, lo - base, hi - base, yq, N);
-            else groups<Q, 2>(a, part.w, lo - base, hi - base, yq, N);
+            else if (fine) groups<Q, 1, true>(a, part.w, lo - base, hi - base, yq, N);
+            else if (digits == 1) groups<Q, 1, false>(a, part.w, lo - base, hi - base, yq, N);
+            else groups<Q, 2, false>(a, part.w, lo - base, hi - base, yq, N);
           });
         base += part.groups;
       }

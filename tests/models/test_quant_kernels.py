@@ -20,7 +20,7 @@ TYPES = sorted(quant.SUPPORTED)
 needs_kernels = pytest.mark.skipif(kernels.cpu_linear() is None, reason="needs quickdraft's AVX512-BF16 kernels")
 # The quantized kernels this CPU runs: bf16 everywhere the kernels build, int8 and int16 where it has AVX512-VNNI
 # (calls of many rows on AMX-INT8 tiles where it has those; "/vpdpbusd": without tiles, as on CPUs without AMX).
-KERNELS = ["bf16", "int8", "int16", "int8/vpdpbusd", "int16/vpdpbusd"]
+KERNELS = ["bf16", "int8", "int8x32", "int16", "int8/vpdpbusd", "int8x32/vpdpbusd", "int16/vpdpbusd"]
 
 
 @contextlib.contextmanager
@@ -95,11 +95,16 @@ def test_the_packed_layout_reads_back_bitwise(qtype):
                                       reference[shuffled.numpy()])
 
 
-def integer_reference(x: torch.Tensor, w: torch.Tensor, qtype: int, digits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float64 product of the dequantized weights w [N, K] with x as the integer kernels quantize it, and the
-    float64 sum of |s v| |w| (the scale of the float32 rounding)."""
-    block = 256 if quant.LAYOUT[qtype][0] == 256 else 32
-    v, s = quant.quantize_activations(x, block, digits)
+def activation_block(qtype: int, name: str) -> int:
+    """Inputs per activation scale: the weight's block (256 for the K-quants), or 32 for every type with int8x32."""
+    return 32 if name.startswith("int8x32") or quant.LAYOUT[qtype][0] != 256 else 256
+
+
+def integer_reference(x: torch.Tensor, w: torch.Tensor, qtype: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 product of the dequantized weights w [N, K] with x as the integer kernel `name` quantizes it,
+    and the float64 sum of |s v| |w| (the scale of the float32 rounding)."""
+    block = activation_block(qtype, name)
+    v, s = quant.quantize_activations(x, block, 2 if name.startswith("int16") else 1)
     xq = torch.from_numpy(v.astype(np.float64) * np.repeat(s.astype(np.float64), block, axis=1))
     return xq @ w.double().T, xq.abs() @ w.double().abs().T
 
@@ -122,7 +127,7 @@ def test_linear_kernel_against_float64(qtype, name):
             if name == "bf16":
                 exact, magnitude = x.double() @ w.double().T, x.double().abs() @ w.double().abs().T
             else:  # the dequantized weights times the activations as the kernel takes them to integers
-                exact, magnitude = integer_reference(x, w, qtype, 1 if name.startswith("int8") else 2)
+                exact, magnitude = integer_reference(x, w, qtype, name)
             # bf16 output (relative 2^-9) plus float32 summation over the blocks (relative to sum |x| |w|)
             bound = exact.abs() * 2.0 ** -8 + magnitude * 1e-6
             assert ((y - exact).abs() <= bound).all(), (y - exact).abs().max()
@@ -194,7 +199,33 @@ def test_fused_parts_of_different_types_equal_their_separate_products(name):
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["int8", "int16"])
+@pytest.mark.parametrize("qtype", TYPES, ids=[quant.NAMES[t] for t in TYPES])
+def test_int8x32_is_int8_on_blocks_of_32_and_finer_on_the_k_quants(qtype):
+    """int8x32 gives each 32 activations their own scale: on blocks of 32 that is int8 itself (the same bits); on
+    the K-quants it is closer to the exact product than int8's one scale per 256 where a 32 holds a large value."""
+    import gguf
+
+    block = quant.LAYOUT[qtype][0]
+    cols = 2 * block if block == 256 else 4 * block
+    raw = random_blocks(qtype, 48, cols, seed=8)
+    w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).reshape(48, cols)).double()
+    packed = quant.pack(quant.decode(raw, qtype, cols))
+    torch.manual_seed(3)
+    x = torch.randn(6, cols).bfloat16()
+    x[:, 5] *= 50  # an outlier channel, as Qwen2.5's activations have
+    with kernel("int8") as module:
+        one_scale = module.linear_quant(x, [packed.packed], [qtype], float_output=True)[:, :48].double()
+    with kernel("int8x32") as module:
+        fine = module.linear_quant(x, [packed.packed], [qtype], float_output=True)[:, :48].double()
+    if block == 32:
+        assert torch.equal(fine, one_scale)
+    else:
+        exact = x.double() @ w.T
+        assert (fine - exact).abs().mean() < 0.5 * (one_scale - exact).abs().mean()
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["int8", "int8x32", "int16"])
 @pytest.mark.parametrize("qtype", TYPES, ids=[quant.NAMES[t] for t in TYPES])
 def test_amx_tiles_compute_the_bits_of_the_vpdpbusd_kernel(qtype, name):
     """Calls of many rows run on AMX-INT8 tiles where the CPU has them: the same bits as vpdpbusd, in tiles of 8 and

@@ -4,6 +4,9 @@ the quantized calls of many rows on AMX-INT8 tiles and on vpdpbusd alone (where 
 round by round; medians, and the ratio to one row.
 
     .venv/bin/python benchmarks/forward_by_rows.py [MODEL] [--rows 1,2,4,5,8,9,12,16,24,32] [--rounds 7]
+        [--kernels int16,int8x32]
+
+--kernels interleaves quantized kernels (activation schemes) round by round too (default: the one in use).
 
 Run it with nothing else running: the machine's bandwidth and other processes move every figure.
 """
@@ -27,6 +30,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kernels", default="", help="comma-separated quantized kernels (default: the one in use)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner, _ = load_runner(args.model)
@@ -34,7 +38,10 @@ def main() -> None:
     if module is None or runner._native_decoder() is None:
         raise SystemExit("needs quickdraft's CPU kernels (an AVX512-BF16 CPU)")
     rows = [int(r) for r in args.rows.split(",")]
-    tilings = ["tiles", "vpdpbusd"] if module.set_quant_amx(True) or module.quant_amx() else ["vpdpbusd"]
+    kernel_before = module.quant_kernel()
+    schemes = args.kernels.split(",") if args.kernels else [kernel_before]
+    amx = module.set_quant_amx(True) or module.quant_amx()
+    tilings = [(k, t) for k in schemes for t in (["tiles", "vpdpbusd"] if amx else ["vpdpbusd"])]
     ids = torch.randint(0, 1000, (args.context + max(rows),), generator=torch.Generator().manual_seed(0))
     cache = runner.new_cache()
     runner.forward(cache, ids[: args.context])
@@ -43,7 +50,8 @@ def main() -> None:
     try:
         for round_ in range(args.rounds + 1):  # round 0 warms up
             for tiling in tilings:
-                module.set_quant_amx(tiling == "tiles")
+                module.set_quant_kernel(tiling[0])
+                module.set_quant_amx(tiling[1] == "tiles")
                 for n in rows:
                     start = time.perf_counter()
                     runner.forward(cache, ids[args.context: args.context + n], n)
@@ -53,17 +61,18 @@ def main() -> None:
                         times.setdefault((tiling, n), []).append(seconds)
     finally:
         module.set_quant_amx(amx_before)
+        module.set_quant_kernel(kernel_before)
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     cpu = "AMX" if "amx_int8" in flags else "no AMX"
-    print(f"{args.model} ({module.quant_kernel()} kernel, {cpu}, {args.threads} threads): a forward of n new rows "
-          f"after {args.context} cached, median of {args.rounds} interleaved rounds, ms (x {rows[0]} rows)")
-    print("| tiling | " + " | ".join(str(n) for n in rows) + " |")
+    print(f"{args.model} ({cpu}, {args.threads} threads): a forward of n new rows after {args.context} cached, "
+          f"median of {args.rounds} interleaved rounds, ms (x {rows[0]} rows of the same kernel and tiling)")
+    print("| kernel, tiling | " + " | ".join(str(n) for n in rows) + " |")
     print("|---" * (len(rows) + 1) + "|")
     for tiling in tilings:
         one = statistics.median(times[(tiling, rows[0])])
         cells = [f"{statistics.median(times[(tiling, n)]) * 1e3:.1f} ({statistics.median(times[(tiling, n)]) / one:.2f}x)"
                  for n in rows]
-        print(f"| {tiling} | " + " | ".join(cells) + " |")
+        print(f"| {tiling[0]}, {tiling[1]} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -385,15 +385,30 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_byte
       store16(y + m * ldy + j * 16, total[m][j]);
 }
 
-// Groups [g0, g1) of one weight, all rows. One or two rows take 4 groups a tile (independent accumulators hide
-// the dot product's latency); more rows go in blocks of at most 8 (as even as possible) by one group: the
-// group's chunks come from memory once, for the first block, and from cache for the others.
+// Groups a tile of one or two rows: 4 on Intel (independent accumulators hide the dot product's latency; measured
+// there, sessions 14-16), 1 on AMD, one stream of weights at a time as for more rows. Measured on an AMD EPYC
+// (Zen 5, 2 threads, Qwen 1.5B forward after 256 cached, medians of 7 interleaved rounds, same bits): 4 groups ->
+// 1, one row int8x32 27.6 -> 21.6 ms, int16 31.1 -> 24.8; two rows 28.9 -> 21.9, 32.7 -> 25.4 (4 rows, one group
+// a tile already, took 26.3 / 28.4: the four streams were slower, not the compute). QUICKDRAFT_QUANT_FEW_ROW_GROUPS
+// = 1 or 4 overrides (to measure both on another CPU). Either way a row's bits are the same.
+int few_row_groups() {
+  static const int groups = [] {
+    const char* env = std::getenv("QUICKDRAFT_QUANT_FEW_ROW_GROUPS");
+    if (env && (std::string(env) == "1" || std::string(env) == "4")) return std::atoi(env);
+    return __builtin_cpu_is("amd") ? 1 : 4;
+  }();
+  return groups;
+}
+
+// Groups [g0, g1) of one weight, all rows. One or two rows take few_row_groups() groups a tile; more rows go in
+// blocks of at most 8 (as even as possible) by one group: the group's chunks come from memory once, for the first
+// block, and from cache for the others.
 template <class Q, int D, bool F, class Y>
 void groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y, int64_t ldy) {
   const int64_t M = a.M, super_blocks = a.K / Q::SB, group_bytes = super_blocks * Q::kChunk;
   auto at = [&](int64_t g) { return w + g * group_bytes; };
   int64_t g = g0;
-  if (M <= 2) {
+  if (M <= 2 && few_row_groups() == 4) {
     for (; g + 4 <= g1; g += 4) {
       if (M == 1) tile<Q, 1, 4, D, F>(a, 0, at(g), group_bytes, super_blocks, y + g * 16, ldy);
       else tile<Q, 2, 4, D, F>(a, 0, at(g), group_bytes, super_blocks, y + g * 16, ldy);

@@ -9,8 +9,8 @@ quickdraft.sampling.process (penalties, then temperature, top-k, top-p, min-p), 
 compared with it by chi-square tests.
 
 Covered: draft_model, ngram and eagle drafts (eagle: a head over a reduced vocabulary, so q is zero at a token
-the target may draw); rejection sampling (no seed; driven through the engine's batched
-step, batches mixing prompts and sequences drafting 1-3 tokens) and position-keyed noise (a request seed;
+the target may draw; draft_model with draft_vocab_size likewise); rejection sampling (no seed; driven through
+the engine's batched step, batches mixing prompts and sequences drafting 1-3 tokens) and position-keyed noise (a request seed;
 through LLM.generate with n = N); plain sampling at temperature 0.7, and temperature 1.3 with repetition,
 presence and frequency penalties and top-k, top-p and min-p, each of which cuts tokens at many prefixes,
 and temperature 0.9 with a logit_bias (applied to the draft's q as to the target's p).
@@ -45,11 +45,14 @@ from quickdraft.sampling import PenaltyHistory, process
 from quickdraft.sequence import RequestMetrics
 
 VOCAB = 4
+# draft_model whose draft scores only token ids 0..2 (draft_vocab_size 3): q is zero at token 3, which the target
+# still verifies and draws
+DRAFT_VOCAB3 = "draft_model-vocab3"
 T = 5  # tokens per sample: the prompt's step gives 1, then a step with k = min(K, T - 2) = 3 drafts
 K = 3
 # Samples per test. N-gram completions are cheaper, and its steps that accept all of 2 or 3 drafts rarer:
 # it needs more samples to see a bug in the bonus (power 0.96 at 1500, 1.0 at 2000).
-N = {"draft_model": 1100, "ngram": 2000, "eagle": 1100, "model_lookup": 1100}
+N = {"draft_model": 1100, "ngram": 2000, "eagle": 1100, "model_lookup": 1100, DRAFT_VOCAB3: 1100}
 ALPHA = 1e-4
 REQUEST_SEED = 1234
 GENERATOR_SEED = 99
@@ -73,6 +76,7 @@ PROMPTS = {
     ("ngram", "t0.7"): [0, 1, 3, 3, 3, 2],
     ("ngram", "t1.3-penalties-topk-topp-minp"): [1, 2, 2, 3, 1, 2, 0, 3],
     ("draft_model", "t0.9-logit-bias"): [1, 2, 0, 1, 2],
+    **{(DRAFT_VOCAB3, setting): [1, 2, 0, 1, 2] for setting in SETTINGS},
     ("eagle", "t0.9-logit-bias"): [1, 2, 0, 1, 2],
     ("ngram", "t0.9-logit-bias"): [1, 2, 2, 3, 1, 2, 0, 3],
     # model_lookup: prompts where the suffix lookup finds confident matches some steps and not others, so
@@ -265,7 +269,9 @@ def _eagle_head() -> str:
 
 def _config(method: str) -> dict:
     config = {"method": method, "num_speculative_tokens": K, "adaptive": False}
-    if method in ("draft_model", "model_lookup"):
+    if method == DRAFT_VOCAB3:
+        config.update(method="draft_model", draft_vocab_size=3)
+    if method in ("draft_model", "model_lookup", DRAFT_VOCAB3):
         config["model"] = _models()[1]
         if method == "model_lookup":
             # Finished completions' text leaves the index at once (Proposer.release caches it otherwise): with all
@@ -321,7 +327,7 @@ def assert_follows_law(test: "_LawTest", samples, metrics, steps, n: int, label:
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle", "model_lookup"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle", "model_lookup", DRAFT_VOCAB3])
 @pytest.mark.parametrize("seeding", ["rejection", "request-seed"])
 def test_five_speculative_tokens_follow_the_target_law(seeding, method, setting):
     """N (1100 or 2000) completions of T = 5 tokens with a fixed K = 3 fit the exact joint law (8 chi-square

@@ -156,6 +156,11 @@ class Runner(Protocol):
     def quantized(self, scheme: str) -> "Runner":
         """A weight-only quantized copy (a self-draft), or a QuickdraftError where the runner has none."""
 
+    def with_vocabulary(self, size: int) -> "Runner":
+        """A view scoring only token ids [0, size) (logits [n, size], its vocab_size `size`), sharing this runner's
+        weights and reading only that part of its output head (a draft's smaller head), or a QuickdraftError
+        where the runner cannot."""
+
 
 def check_batch(runner: Runner, caches: list, tokens: list, num_logits: list) -> list[torch.Tensor]:
     """What a runner's forward_batch checks before it changes any cache: one token tensor [n_i] (n_i >= 1) and

@@ -85,6 +85,13 @@ class HFRunner:
         raise QuickdraftError(f"{self.name}: quantization {scheme!r} needs the native runner, which this "
                               "architecture lacks; drop the quantization or pick another draft")
 
+    def with_vocabulary(self, size: int) -> "HFRunner":
+        if size == self.vocab_size:
+            return self
+        raise QuickdraftError(f"{self.name}: a draft vocabulary of {size} tokens needs the native runner, which this "
+                              "architecture lacks (the transformers forward computes its whole output head); "
+                              "drop draft_vocab_size")
+
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():  # Gemma's embedding module applies its scale itself
             return self.model.get_input_embeddings()(ids.to(self.device))

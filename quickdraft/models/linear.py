@@ -70,6 +70,23 @@ class Linear(ABC):
         """Rows `ids` of the [N, K] weight in float32."""
         return self.dense()[ids].float()
 
+    def leading(self, n: int) -> "Linear":
+        """This layer's first n outputs (0 < n <= out_features) as a Linear sharing its weight: the packed groups
+        of 16 outputs that hold them, a prefix of the weight in memory, so a call reads only those. Each output is
+        computed as in the whole layer (the same kernel and order: bitwise where the layer's rows are alike)."""
+        if not 0 < n <= self.out_features:
+            raise QuickdraftError(f"leading({n}) of a layer of {self.out_features} outputs: give 1..{self.out_features}")
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__)
+        view.out_features = n
+        view.bias = None if self.bias is None else self.bias[:n]
+        view._narrow(-(-n // 16) if self._kernels is not None else n)
+        return view
+
+    @abstractmethod
+    def _narrow(self, stored_rows: int) -> None:
+        """Keep the first `stored_rows` rows of the stored weight (groups of 16 outputs where packed)."""
+
     def int8(self) -> "Int8Linear":
         """Symmetric per-output int8 of this weight (a new Linear; this one is unchanged)."""
         w = self.dense().float()
@@ -133,6 +150,9 @@ class DenseLinear(Linear):
     def dense(self) -> torch.Tensor:
         return self._unpacked()
 
+    def _narrow(self, stored_rows: int) -> None:
+        self.weight = self.weight[:stored_rows]
+
 
 class Int8Linear(Linear):
     """Symmetric weight-only int8 [N, K] with float32 per-output scales [N]; activations in `dtype`."""
@@ -169,6 +189,10 @@ class Int8Linear(Linear):
 
     def dense(self) -> torch.Tensor:
         return self._unpacked().float() * self.scales[: self.out_features, None].float()
+
+    def _narrow(self, stored_rows: int) -> None:
+        self.weight = self.weight[:stored_rows]
+        self.scales = self.scales[: stored_rows * 16 if self._kernels is not None else stored_rows]
 
 
 class BlockLinear(Linear):
@@ -215,6 +239,16 @@ class BlockLinear(Linear):
     def dense(self) -> torch.Tensor:
         return torch.cat([self._kernels.dequantize_rows(p.packed, p.qtype, torch.arange(p.rows), p.cols)
                           for p in self.parts])
+
+    def _narrow(self, stored_rows: int) -> None:  # stored_rows: groups of 16 outputs, over the parts in order
+        parts, left = [], self.out_features
+        for p in self.parts:
+            if left <= 0:
+                break
+            rows = min(p.rows, left)
+            parts.append(QuantizedWeight(p.packed[: -(-rows // 16)], p.qtype, rows, p.cols))
+            left -= rows
+        self.parts, self._packed, self._types = parts, [p.packed for p in parts], [p.qtype for p in parts]
 
 
 # --- from a transformers model's layers ----------------------------------------------------------------------

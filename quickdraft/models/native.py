@@ -265,6 +265,19 @@ class NativeRunner:
         view.lm_head = convert(self.lm_head)
         return view
 
+    def with_vocabulary(self, size: int) -> "NativeRunner":
+        """The same model scoring only token ids [0, size): its output head's first `size` rows (a prefix of the
+        packed weight, so a step reads only those), logits [n, size]. A draft's smaller head (FR-Spec, Zhao et
+        al. 2025): a byte-level BPE's low ids are its earliest merges, its most frequent pieces."""
+        if not 0 < size <= self.vocab_size:
+            raise QuickdraftError(f"{self.name}: a vocabulary of {size} tokens; give 1..{self.vocab_size}")
+        if size == self.vocab_size:
+            return self
+        view = self._copy(f"{self.name}[vocab {size}]")
+        view.lm_head = self.lm_head.leading(size)
+        view.vocab_size = size
+        return view
+
     def _copy(self, name: str) -> "NativeRunner":
         view = object.__new__(NativeRunner)
         view.__dict__.update(self.__dict__)

@@ -213,9 +213,13 @@ def test_quantized_runner_keeps_the_stored_blocks(smollm2_quantized, smollm2):
     ids = torch.tensor(smollm2.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"])
     quantized = target.forward(target.new_cache(), ids, len(ids))
     exact = smollm2.target.forward(smollm2.target.new_cache(), ids, len(ids))
-    # bf16 activations: within 5% of the largest logit, 4% of the logits' spread in RMS, and the same top token
-    assert (quantized - exact).abs().max() <= 0.05 * exact.abs().max()
-    assert (quantized - exact).pow(2).mean().sqrt() <= 0.04 * exact.std()
+    # bf16 activations (the default int16 kernel): within 5% of the largest logit, 4% of the logits' spread in RMS,
+    # and the same top token; one int8 digit an activation (QUICKDRAFT_QUANT_KERNEL=int8 or int8x32, the same
+    # scheme on Q4_1's blocks of 32): 8% and 10% (measured 5.8% and 7.4%)
+    kernels = target._cpu_kernels
+    coarse = kernels is not None and kernels.quant_kernel().startswith("int8")
+    assert (quantized - exact).abs().max() <= (0.08 if coarse else 0.05) * exact.abs().max()
+    assert (quantized - exact).pow(2).mean().sqrt() <= (0.10 if coarse else 0.04) * exact.std()
     assert torch.equal(quantized.argmax(-1), exact.argmax(-1))
 
 

@@ -93,7 +93,8 @@ class SpeculativeConfig:
         None (the default): chains. Read back as a drafts.base.TreeSettings; only methods whose proposer
         proposes trees take it (tree_methods()).
     The methods' own keys (their defaults and meaning in their options' docstrings): num_layers (layer_skip),
-    quantization (draft_model, layer_skip, quantized, model_lookup: int8 or q4), prompt_lookup_min /
+    quantization (draft_model, layer_skip, quantized, model_lookup: int8 or q4), draft_vocab_size (draft_model,
+    model_lookup: the draft scores only the token ids below it), prompt_lookup_min /
     prompt_lookup_max (ngram), suffix_decoding_max_tree_depth / _max_cached_tokens / _max_spec_factor /
     _min_token_prob (suffix, and the lookups of eagle and model_lookup), eagle_lookup (eagle). A key of another
     method than the chosen one is refused unless it has its default value.

@@ -84,7 +84,8 @@ def test_a_method_registered_from_outside_the_package_runs_everywhere(repeat_las
 
 def test_the_flat_config_keeps_its_keys_errors_and_round_trip():
     assert known_keys() == sorted([
-        "acceptance", "adaptive", "eagle_lookup", "method", "model", "num_layers", "num_speculative_tokens",
+        "acceptance", "adaptive", "draft_vocab_size", "eagle_lookup", "method", "model", "num_layers",
+        "num_speculative_tokens",
         "prompt_lookup_max", "prompt_lookup_min", "quantization", "suffix_decoding_max_cached_tokens",
         "suffix_decoding_max_spec_factor", "suffix_decoding_max_tree_depth", "suffix_decoding_min_token_prob",
         "threshold", "tokenizer", "tree"])

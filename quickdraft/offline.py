@@ -198,12 +198,14 @@ def run_local(llm, records: list[BatchRecord]) -> list[dict[str, Any]]:
 
 
 def load_llm(llm_kwargs: dict[str, Any]):
-    from quickdraft.api import LLM
+    from quickdraft.api import LLM, freeze_loaded_objects
     from quickdraft.models.loader import quiet_transformers
 
     quiet_transformers()
     kwargs = dict(llm_kwargs)
-    return LLM(kwargs.pop("model"), **kwargs)
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    freeze_loaded_objects()
+    return llm
 
 
 class RayBatchPredictor:

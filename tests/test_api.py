@@ -92,3 +92,19 @@ def test_with_speculative_config_leaves_the_seed_stream_alone():
     assert llm.generate(prompt, params)[0].outputs[0].token_ids == want
     assert derived.generate(prompt, params)[0].outputs[0].token_ids == want
     assert llm.generate(prompt, params)[0].outputs[0].token_ids != want  # the stream does move on per request
+
+
+def test_freeze_loaded_objects_takes_every_live_object_out_of_the_collections():
+    """What a server does after loading: a collection, then every object alive moves to the permanent generation."""
+    import gc
+
+    from quickdraft.api import freeze_loaded_objects
+
+    gc.collect()
+    assert gc.get_objects(generation=2)  # the test session's objects, before
+    try:
+        freeze_loaded_objects()
+        assert gc.get_freeze_count() > 0 and not gc.get_objects(generation=2)
+    finally:
+        gc.unfreeze()  # the rest of the test session collects as usual
+    assert gc.get_freeze_count() == 0

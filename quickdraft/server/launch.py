@@ -13,7 +13,7 @@ from types import FrameType
 
 import uvicorn
 
-from quickdraft.api import LLM
+from quickdraft.api import LLM, freeze_loaded_objects
 from quickdraft.server.app import ServerConfig, ServerState, create_app
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: the drain shows among its shutdown lines
@@ -64,7 +64,9 @@ def make_server(llm: LLM, config: ServerConfig, host: str = "127.0.0.1", port: i
 
 def run_server(llm: LLM, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
                log_level: str = "info") -> None:
-    make_server(llm, config, host, port, log_level).run()
+    server = make_server(llm, config, host, port, log_level)
+    freeze_loaded_objects()  # this process serves this LLM until it stops
+    server.run()
 
 
 __all__ = ["GracefulServer", "make_server", "run_server"]

@@ -198,8 +198,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_quant", &linear_quant, "y = x [W_0; W_1; ...]^T on GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, "
         "Q4_K, Q6_K) packed by quickdraft.kernels.quant, batch-invariant; bf16, or float32 if float_output",
         py::arg("x"), py::arg("weights"), py::arg("types"), py::arg("float_output") = false);
-  m.def("quant_kernel", &get_quant_kernel, "the quantized linear kernel in use: bf16, int8 or int16 (integer digits "
-        "an activation, AVX512-VNNI)");
+  m.def("quant_kernel", &get_quant_kernel, "the quantized linear kernel in use: bf16, int8, int8x32 or int16 "
+        "(integer digits an activation, AVX512-VNNI)");
   m.def("set_quant_kernel", &set_quant_kernel, "choose the quantized linear kernel (bf16, int8, int8x32, int16); returns the "
         "one before");
   m.def("quant_amx", &get_quant_amx, "whether the integer quantized kernels run calls of many rows on AMX-INT8 tiles");

@@ -738,8 +738,9 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
   // rows runs on tiles. set_quant_amx_rows(n) puts every call of n rows or more on tiles, for the tests of every
   // tiling.
   const int64_t waste = (pass - M % pass) % pass;
-  const bool block_tiles = M >= amx_rows(digits) && amx_int8_in_use() && (amx_rows_set.load() > 0 || waste <= pass / 4);
-  const bool tiles = !fine && M >= amx_rows(digits) && amx_int8_in_use();  // K-quants
+  const bool many = M >= amx_rows(digits) && amx_int8_in_use();
+  const bool block_tiles = many && (amx_rows_set.load() > 0 || waste <= pass / 4);
+  const bool tiles = many && !fine;  // K-quants
   const int64_t rows = tiles || block_tiles ? (M + pass - 1) / pass * pass : M;
   Activations acts[4];
   for (int wide = 0; wide < 2; ++wide)

@@ -80,12 +80,16 @@ class Linear(ABC):
         view.__dict__.update(self.__dict__)
         view.out_features = n
         view.bias = None if self.bias is None else self.bias[:n]
-        view._narrow(-(-n // 16) if self._kernels is not None else n)
+        view._narrow()
         return view
 
+    def _stored_rows(self) -> int:
+        """Rows of the stored weight that hold the first out_features outputs: groups of 16 where packed."""
+        return -(-self.out_features // 16) if self._kernels is not None else self.out_features
+
     @abstractmethod
-    def _narrow(self, stored_rows: int) -> None:
-        """Keep the first `stored_rows` rows of the stored weight (groups of 16 outputs where packed)."""
+    def _narrow(self) -> None:
+        """Keep only what the first out_features outputs need of the stored weight (leading())."""
 
     def int8(self) -> "Int8Linear":
         """Symmetric per-output int8 of this weight (a new Linear; this one is unchanged)."""
@@ -150,8 +154,8 @@ class DenseLinear(Linear):
     def dense(self) -> torch.Tensor:
         return self._unpacked()
 
-    def _narrow(self, stored_rows: int) -> None:
-        self.weight = self.weight[:stored_rows]
+    def _narrow(self) -> None:
+        self.weight = self.weight[: self._stored_rows()]
 
 
 class Int8Linear(Linear):
@@ -190,9 +194,10 @@ class Int8Linear(Linear):
     def dense(self) -> torch.Tensor:
         return self._unpacked().float() * self.scales[: self.out_features, None].float()
 
-    def _narrow(self, stored_rows: int) -> None:
-        self.weight = self.weight[:stored_rows]
-        self.scales = self.scales[: stored_rows * 16 if self._kernels is not None else stored_rows]
+    def _narrow(self) -> None:
+        rows = self._stored_rows()
+        self.weight = self.weight[:rows]
+        self.scales = self.scales[: rows * 16 if self._kernels is not None else rows]  # padded to groups of 16
 
 
 class BlockLinear(Linear):
@@ -240,7 +245,7 @@ class BlockLinear(Linear):
         return torch.cat([self._kernels.dequantize_rows(p.packed, p.qtype, torch.arange(p.rows), p.cols)
                           for p in self.parts])
 
-    def _narrow(self, stored_rows: int) -> None:  # stored_rows: groups of 16 outputs, over the parts in order
+    def _narrow(self) -> None:  # the parts in order, the last cut to its groups of 16 outputs
         parts, left = [], self.out_features
         for p in self.parts:
             if left <= 0:

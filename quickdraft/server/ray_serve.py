@@ -81,15 +81,10 @@ class QuickdraftReplica:
     with the app's lifespan, which Ray Serve runs after this constructor and when the replica shuts down."""
 
     def __init__(self, llm_kwargs: dict[str, Any], server_config: ServerConfig):
-        from quickdraft.api import LLM, freeze_loaded_objects
-        from quickdraft.models.loader import quiet_transformers
+        from quickdraft.offline import load_llm  # quiet, loaded, its objects frozen: a batch actor's load too
         from quickdraft.server.app import create_app
 
-        quiet_transformers()
-        kwargs = dict(llm_kwargs)
-        llm = LLM(kwargs.pop("model"), **kwargs)
-        freeze_loaded_objects()
-        self.quickdraft_app = create_app(llm, server_config)
+        self.quickdraft_app = create_app(load_llm(llm_kwargs), server_config)
         _replica["app"] = self.quickdraft_app
         _replica["id"] = _replica_id()
 

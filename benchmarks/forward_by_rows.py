@@ -1,7 +1,8 @@
 """What a target forward costs by its number of new rows (a decoding step is 1, a chain of K drafts K + 1, a tree
 its nodes + 1, a batch the sum): the native C++ layer loop on n new rows after `context` cached positions, with
 the quantized calls of many rows on AMX-INT8 tiles and on vpdpbusd alone (where the CPU has AMX), interleaved
-round by round; medians, and the ratio to one row.
+round by round; medians, and the ratio to one row. On CPUs without AVX-512 the native runner's Python layer loop
+on the AVX2 quantized kernels (float32 activations), their one scheme.
 
     .venv/bin/python benchmarks/forward_by_rows.py [MODEL] [--rows 1,2,4,5,8,9,12,16,24,32] [--rounds 7]
         [--kernels int16,int8x32]
@@ -20,7 +21,9 @@ from pathlib import Path
 
 import torch
 
+from quickdraft import kernels
 from quickdraft.models.factory import load_runner
+from quickdraft.models.loader import resolve_dtype
 
 
 def main() -> None:
@@ -33,25 +36,27 @@ def main() -> None:
     parser.add_argument("--kernels", default="", help="comma-separated quantized kernels (default: the one in use)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    runner, _ = load_runner(args.model)
-    module = runner._cpu_kernels
-    if module is None or runner._native_decoder() is None:
-        raise SystemExit("needs quickdraft's CPU kernels (an AVX512-BF16 CPU)")
+    runner, _ = load_runner(args.model, dtype=resolve_dtype("auto", torch.device("cpu")))
+    avx512 = runner._cpu_kernels is not None and runner._native_decoder() is not None
+    module = runner._cpu_kernels if avx512 else kernels.cpu_quant_avx2()
+    if module is None:
+        raise SystemExit("needs quickdraft's CPU kernels (an AVX512-BF16 CPU, or AVX2 for a GGUF file's blocks)")
     rows = [int(r) for r in args.rows.split(",")]
     kernel_before = module.quant_kernel()
     schemes = args.kernels.split(",") if args.kernels else [kernel_before]
-    amx = module.set_quant_amx(True) or module.quant_amx()
-    tilings = [(k, t) for k in schemes for t in (["tiles", "vpdpbusd"] if amx else ["vpdpbusd"])]
+    amx = avx512 and (module.set_quant_amx(True) or module.quant_amx())
+    tilings = [(k, t) for k in schemes for t in (["tiles", "vpdpbusd"] if amx else ["vpdpbusd" if avx512 else "avx2"])]
     ids = torch.randint(0, 1000, (args.context + max(rows),), generator=torch.Generator().manual_seed(0))
     cache = runner.new_cache()
     runner.forward(cache, ids[: args.context])
     times: dict[tuple[str, int], list[float]] = {}
-    amx_before = module.quant_amx()
+    amx_before = avx512 and module.quant_amx()
     try:
         for round_ in range(args.rounds + 1):  # round 0 warms up
             for tiling in tilings:
                 module.set_quant_kernel(tiling[0])
-                module.set_quant_amx(tiling[1] == "tiles")
+                if avx512:
+                    module.set_quant_amx(tiling[1] == "tiles")
                 for n in rows:
                     start = time.perf_counter()
                     runner.forward(cache, ids[args.context: args.context + n], n)
@@ -60,10 +65,11 @@ def main() -> None:
                     if round_:
                         times.setdefault((tiling, n), []).append(seconds)
     finally:
-        module.set_quant_amx(amx_before)
+        if avx512:
+            module.set_quant_amx(amx_before)
         module.set_quant_kernel(kernel_before)
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    cpu = "AMX" if "amx_int8" in flags else "no AMX"
+    cpu = "AMX" if "amx_int8" in flags else "no AMX" if avx512 else "AVX2, no AVX-512"
     print(f"{args.model} ({cpu}, {args.threads} threads): a forward of n new rows after {args.context} cached, "
           f"median of {args.rounds} interleaved rounds, ms (x {rows[0]} rows of the same kernel and tiling)")
     print("| kernel, tiling | " + " | ".join(str(n) for n in rows) + " |")

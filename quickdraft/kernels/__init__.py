@@ -5,6 +5,12 @@ for x86 CPUs with AVX512-BF16, on AMX tiles where present) and cpu_attention.cpp
 and RMSNorm), or None where it cannot run: another CPU, no compiler, or QUICKDRAFT_NO_KERNELS=1.
 Callers then use torch's own matmul. The build (about a minute) is cached under ~/.cache/quickdraft/kernels
 (QUICKDRAFT_CACHE moves it).
+
+`cpu_quant_avx2()` returns the module built from cpu_quant_avx2.cpp alone (GGUF-quantized linear layers on AVX2
+integer dot products) for x86 CPUs without AVX-512, or None. `quant_kernels(dtype)` is the module that runs a
+GGUF file's blocks with `dtype` activations on this CPU: the AVX-512 one for bf16 where it loads, else the AVX2 one
+when QUICKDRAFT_AVX2_KERNELS=1 (opt-in: with it, greedy speculative output can differ from plain greedy output,
+because torch's float32 attention rounds a row by the call's shape and the int8 activations magnify that).
 """
 
 from __future__ import annotations
@@ -68,6 +74,64 @@ def cpu_linear():
     _state["cpu_linear"] = module
     _state["cpu_linear_reason"] = reason
     return module
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_quant_avx2():
+    """The AVX2 quantized-linear module, or None (another CPU, no compiler, QUICKDRAFT_NO_KERNELS=1)."""
+    if "cpu_quant_avx2" in _state:
+        return _state["cpu_quant_avx2"]
+    module = None
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", or "DEFAULT" / another ISA
+    if os.environ.get("QUICKDRAFT_NO_KERNELS"):
+        reason = "QUICKDRAFT_NO_KERNELS is set"
+    elif capability not in ("AVX2", "AVX512") or not {"fma", "f16c"} <= _cpu_flags():
+        reason = f"this CPU lacks AVX2, FMA or F16C (torch reports {capability})"
+    else:
+        reason = None
+        try:
+            from torch.utils import cpp_extension
+
+            build = _build_dir() / "avx2"
+            build.mkdir(parents=True, exist_ok=True)
+            if not any(build.glob("*.so")):
+                log.warning("quickdraft: compiling its AVX2 quantized kernels (once, about half a minute)")
+            module = cpp_extension.load(
+                name="quickdraft_cpu_quant_avx2", sources=[str(Path(__file__).with_name("cpu_quant_avx2.cpp"))],
+                build_directory=str(build), extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as error:  # as cpu_linear(): fall back to float32 weights, say why
+            reason = f"the build failed ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})"
+            log.warning("quickdraft: AVX2 quantized kernels unavailable, GGUF weights widened to float32: %s", reason)
+    if reason and module is None:
+        log.info("quickdraft: AVX2 quantized kernels unavailable: %s", reason)
+    _state["cpu_quant_avx2"] = module
+    return module
+
+
+def quant_kernels(dtype: torch.dtype):
+    """The module whose linear_quant runs GGUF blocks with `dtype` activations on this CPU, or None: cpu_linear()
+    for bf16 (AVX512-BF16 CPUs), else, with QUICKDRAFT_AVX2_KERNELS=1, the AVX2 module where AVX-512's does not
+    load (its activations float32 or bf16). Both take the same packed chunks (kernels.quant.pack) and compute
+    every row alike. Why AVX2's is opt-in: the rest of that forward is torch's float32 (attention included), whose
+    rows are not computed alike whatever the call, and a tiny difference moves an activation's int8 rounding:
+    measured on SmolLM2 Q4_1, greedy ngram/suffix speculative output differed from plain output after 7 tokens."""
+    if dtype == torch.bfloat16 and cpu_linear() is not None:
+        return cpu_linear()
+    if dtype in (torch.float32, torch.bfloat16) and cpu_linear() is None and \
+            os.environ.get("QUICKDRAFT_AVX2_KERNELS") == "1":
+        return cpu_quant_avx2()
+    return None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

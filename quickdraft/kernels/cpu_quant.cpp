@@ -77,13 +77,12 @@ inline __m512i move_bits(__m512i from, int lo, int to) {
   return lo <= to ? _mm512_slli_epi16(from, to - lo) : _mm512_srli_epi16(from, lo - to);
 }
 
-// The per-type parts of the bf16 kernel: the codes of step p as bf16, and one weight's value.
+// The per-type parts of the bf16 kernel: the codes of step p as bf16.
 struct Q4_0 : Q4_0Layout {
   static __m512bh weights(const uint8_t* c, int p, const __m512i* t) {
     return (__m512bh)_mm512_permutexvar_epi16(nibbles(c, p), t[0]);
   }
   static void load_tables(__m512i* t) { t[0] = load(tables().q4_0); }
-  static float value(const uint8_t* c, int n, int k);
 };
 
 struct Q4_1 : Q4_1Layout {  // the min is added: + m * sum(x)
@@ -91,7 +90,6 @@ struct Q4_1 : Q4_1Layout {  // the min is added: + m * sum(x)
     return (__m512bh)_mm512_permutexvar_epi16(nibbles(c, p), t[0]);
   }
   static void load_tables(__m512i* t) { t[0] = load(tables().q4); }
-  static float value(const uint8_t* c, int n, int k);
 };
 
 struct Q5_0 : Q5_0Layout {
@@ -101,7 +99,6 @@ struct Q5_0 : Q5_0Layout {
     return (__m512bh)_mm512_permutexvar_epi16(index, t[0]);
   }
   static void load_tables(__m512i* t) { t[0] = load(tables().q5_0); t[1] = _mm512_set1_epi16(0x0010); }
-  static float value(const uint8_t* c, int n, int k);
 };
 
 struct Q8_0 : Q8_0Layout {
@@ -112,7 +109,6 @@ struct Q8_0 : Q8_0Layout {
     return _mm512_cvtne2ps_pbh(hi, lo);
   }
   static void load_tables(__m512i*) {}
-  static float value(const uint8_t* c, int n, int k);
 };
 
 struct Q4_K : Q4_KLayout {
@@ -120,7 +116,6 @@ struct Q4_K : Q4_KLayout {
     return (__m512bh)_mm512_permutexvar_epi16(nibbles(c, p), t[0]);
   }
   static void load_tables(__m512i* t) { t[0] = load(tables().q4); }
-  static float value(const uint8_t* c, int n, int k);
 };
 
 struct Q6_K : Q6_KLayout {
@@ -132,41 +127,7 @@ struct Q6_K : Q6_KLayout {
   static void load_tables(__m512i* t) {
     t[0] = load(tables().q6_k); t[1] = load(tables().q6_k + 32); t[2] = _mm512_set1_epi16(0x0030);
   }
-  static float value(const uint8_t* c, int n, int k);
 };
-
-// --- scalar decoding of one weight (the embedding lookup, and the reference the tests hold the layout to) ---
-inline float f16(const uint8_t* p) { return c10::detail::fp16_ieee_to_fp32_value(*reinterpret_cast<const uint16_t*>(p)); }
-inline int lane(int n, int k) { return 2 * n + (k & 1); }
-inline int nibble_at(const uint8_t* plane, int n, int k) {  // k within the planes' steps (k / 2 = step)
-  const int p = k >> 1;
-  const uint16_t word = reinterpret_cast<const uint16_t*>(plane)[(p >> 2) * 32 + lane(n, k)];
-  return (word >> (4 * (p & 3))) & 15;
-}
-
-float Q4_0::value(const uint8_t* c, int n, int k) { return f16(c + 256 + 2 * n) * static_cast<float>(nibble_at(c, n, k) - 8); }
-float Q4_1::value(const uint8_t* c, int n, int k) {
-  return f16(c + 256 + 2 * n) * static_cast<float>(nibble_at(c, n, k)) + f16(c + 288 + 2 * n);
-}
-float Q5_0::value(const uint8_t* c, int n, int k) {
-  const int high = (reinterpret_cast<const uint16_t*>(c + 256)[lane(n, k)] >> q5_high_bit(k >> 1)) & 1;
-  return f16(c + 320 + 2 * n) * static_cast<float>((nibble_at(c, n, k) | high << 4) - 16);
-}
-float Q8_0::value(const uint8_t* c, int n, int k) {
-  return f16(c + 512 + 2 * n) * static_cast<float>(reinterpret_cast<const int8_t*>(c)[(k >> 1) * 32 + lane(n, k)]);
-}
-float Q4_K::value(const uint8_t* c, int n, int k) {
-  const int j = k / 32;
-  const float d = f16(c + 2048 + 2 * n) * static_cast<float>(c[2112 + 16 * j + n]);
-  const float m = f16(c + 2080 + 2 * n) * static_cast<float>(c[2240 + 16 * j + n]);
-  return d * static_cast<float>(nibble_at(c, n, k)) - m;
-}
-float Q6_K::value(const uint8_t* c, int n, int k) {
-  const int j = k / 16, p = k >> 1;
-  const int high = (reinterpret_cast<const uint16_t*>(c + 2048)[(p >> 3) * 32 + lane(n, k)] >> q6_high_bits(p & 7)) & 3;
-  const float d = f16(c + 3072 + 2 * n) * static_cast<float>(reinterpret_cast<const int8_t*>(c)[3104 + 16 * j + n]);
-  return d * static_cast<float>((nibble_at(c, n, k) | high << 4) - 32);
-}
 
 // --- the kernel -----------------------------------------------------------------------------------------------
 
@@ -270,24 +231,6 @@ struct Part {
   int64_t type, groups, column;  // column: its first output in y
 };
 
-struct TypeInfo {
-  int64_t sb, chunk;
-  bool mins;
-};
-
-TypeInfo info(int64_t type) {
-  return dispatch(type, [](auto q) { using Q = decltype(q); return TypeInfo{Q::SB, Q::kChunk, Q::kMin}; });
-}
-
-void check_weight(const torch::Tensor& w, int64_t type, int64_t K) {
-  const TypeInfo t = info(type);
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu(),
-              "quantized weight must be a contiguous uint8 CPU tensor [N/16, K/SB, chunk]");
-  TORCH_CHECK(K % t.sb == 0 && w.size(1) == K / t.sb && w.size(2) == t.chunk, "quantized weight of type ", type,
-              " must be [N/16, ", K / std::max<int64_t>(t.sb, 1), ", ", t.chunk, "] for K = ", K, " (K a multiple of ",
-              t.sb, "), got ", w.sizes());
-}
-
 // Which kernel linear_quant runs (process-wide: it decides the model's numerics, as a dtype does). kInt8: one
 // int8 digit an activation, a scale per weight block (256 for the K-quants: llama.cpp's Q8_K way); kInt8x32: one
 // digit, a scale per 32 activations for every type (llama.cpp's Q8_0 way); kInt16: two digits, a scale per weight
@@ -350,7 +293,7 @@ torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tens
     parts.push_back({weights[i].data_ptr<uint8_t>(), types[i], weights[i].size(0), N});
     N += weights[i].size(0) * 16;
     total_groups += weights[i].size(0);
-    mins = mins || info(types[i]).mins;
+    mins = mins || packed_type(types[i]).mins;
   }
   const int kernel = quant_kernel_in_use();
   if (kernel != kBf16)
@@ -391,30 +334,5 @@ torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tens
 
 // Rows `rows` of a packed weight as float32 [len(rows), K] (the embedding lookup; the tests' view of the layout).
 torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& rows, int64_t K) {
-  check_weight(w, type, K);
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be a 1-d int64 tensor");
-  const auto r = rows.contiguous();
-  const int64_t n = r.size(0), N = w.size(0) * 16;
-  auto out = torch::empty({n, K}, torch::dtype(torch::kFloat32));
-  const auto* rp = r.data_ptr<int64_t>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "row ", rp[i], " out of range for a weight of ", N, " rows");
-  dispatch(type, [&](auto q) {
-    using Q = decltype(q);
-    const int64_t super_blocks = K / Q::SB;
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t row = rp[i], g = row / 16;
-        const int nn = static_cast<int>(row % 16);
-        for (int64_t b = 0; b < super_blocks; ++b) {
-          const uint8_t* c = wp + (g * super_blocks + b) * Q::kChunk;
-          float* o = op + i * K + b * Q::SB;
-          for (int k = 0; k < Q::SB; ++k) o[k] = Q::value(c, nn, k);
-        }
-      }
-    });
-  });
-  return out;
+  return dequantize_packed_rows(w, type, rows, K);
 }

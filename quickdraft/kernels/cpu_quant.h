@@ -15,10 +15,9 @@
 
 #include <cstdint>
 
-namespace {
+#include "cpu_quant_scalar.h"  // the type ids, the high bits' positions, one weight's value
 
-// GGML's type ids.
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;
+namespace {
 
 inline __m512i load(const void* p) { return _mm512_loadu_si512(p); }
 inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
@@ -85,14 +84,6 @@ struct Q6_KLayout {
   static __m512 scale(const uint8_t* c, int j) { return _mm512_mul_ps(half16(c + 3072), i8x16(c + 3104 + 16 * j)); }
   static __m512 min(const uint8_t*, int) { return _mm512_setzero_ps(); }
 };
-
-// Where the high bits of a code sit (Q5_0's 5th bit, Q6_K's 5th and 6th). Step p of a 32-input run covers
-// inputs 2p, 2p+1 (16-bit lane 2n + e of output n); the nibble of step p = 4g + s is in nibble vector g. Its
-// high bits are at bit `high_bit_position(p)` (times the bit width) of the 16-bit lane, in a plane vector per
-// 32 inputs (Q5_0, 1 bit) or per 16 (Q6_K, 2 bits, p taken within the 16). This order puts the high bits of
-// the four bytes an integer dot product reads together at one bit position of each byte (cpu_quant_vnni.cpp).
-constexpr int q5_high_bit(int p) { return 8 * ((p & 3) >> 1) + 2 * (p >> 2) + (p & 1); }
-constexpr int q6_high_bits(int p) { return 8 * ((p & 3) >> 1) + 2 * (2 * ((p >> 2) & 1) + (p & 1)); }
 
 // Calls f(T{}) with the struct of a GGML type among a kernel's six (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, in
 // that order): the one place a type id becomes its code.

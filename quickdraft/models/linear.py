@@ -8,7 +8,8 @@
 On CPUs with AVX512-BF16, bf16 and int8 weights are packed once for quickdraft's kernels (AMX tiles where
 present): they stream the weights at close to memory bandwidth for the few rows of a decoding step and compute
 every row alike whatever the number of rows (see kernels/cpu_linear.cpp; int8 only below 32 rows). Blocks stay
-in their format and run on kernels/cpu_quant.cpp, rows computed alike too. Elsewhere torch computes them.
+in their format and run on kernels/cpu_quant.cpp, rows computed alike too; on x86 CPUs with AVX2 but no AVX-512
+blocks run on kernels/cpu_quant_avx2.cpp with float32 activations, rows alike as well. Elsewhere torch computes them.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ class Linear(ABC):
 
     def q4(self) -> "Linear":
         """4-bit codes with a float16 scale and min per 32 inputs (GGML's Q4_1) of this weight (a new Linear)."""
-        if self.in_features % 32 or kernels.cpu_linear() is None:
-            return self.int8()  # the 4-bit kernels need K % 32 == 0 and AVX512-BF16; int8 elsewhere
+        if self.in_features % 32 or kernels.quant_kernels(self.dtype) is None:
+            return self.int8()  # the 4-bit kernels need K % 32 == 0 and AVX512-BF16 or AVX2; int8 elsewhere
         return BlockLinear([quant.pack(quant.quantize_q4_1(self.dense()))], self.bias, self.dtype)
 
     def _trim(self, y: torch.Tensor) -> torch.Tensor:
@@ -202,7 +203,8 @@ class Int8Linear(Linear):
 
 class BlockLinear(Linear):
     """GGML-quantized blocks: `parts` side by side make the [N, K] weight (every part but the last a multiple
-    of 16 rows), run on the quantized kernels with bf16 activations."""
+    of 16 rows), run on the quantized kernels: AVX-512's with bf16 activations (then the C++ decoder loop can take
+    the layer too), or AVX2's with the model's float32 ones."""
 
     def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None = None,
                  dtype: torch.dtype | None = None):
@@ -212,21 +214,27 @@ class BlockLinear(Linear):
         self.out_features, self.in_features = sum(p.rows for p in parts), parts[0].cols
         if any(p.rows % 16 for p in parts[:-1]):
             raise QuickdraftError("quantized parts of a fused weight need multiples of 16 rows")
-        self._kernels = kernels.cpu_linear()
+        self._quant = kernels.quant_kernels(self.dtype)
+        if self._quant is None:
+            raise QuickdraftError(f"no quantized kernel runs {self.dtype} activations on this CPU (AVX512-BF16 for "
+                                  "bf16, AVX2 for float32): load the model with dtype='auto'")
+        self._kernels = self._quant if self._quant is kernels.cpu_linear() else None
         self._types = [p.qtype for p in parts]
         self._packed = [p.packed for p in parts]
 
     @property
     def rows_alike(self) -> bool:
-        return self._kernels is not None
+        return True  # both kernels compute every row alike
 
     def _tensors(self) -> list[torch.Tensor | None]:
         return [self.bias] + self._packed
 
     def __call__(self, x: torch.Tensor, float_output: bool = False) -> torch.Tensor:
         shape = x.shape
-        y = self._kernels.linear_quant(x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(), self._packed,
-                                       self._types, float_output)
+        rows = x.reshape(-1, shape[-1])
+        if self._kernels is not None or rows.dtype not in (torch.float32, torch.bfloat16):
+            rows = rows.to(torch.bfloat16 if self._kernels is not None else torch.float32)  # what the kernel reads
+        y = self._quant.linear_quant(rows.contiguous(), self._packed, self._types, float_output)
         y = self._trim(y).reshape(*shape[:-1], -1)
         y = y if float_output else y.to(x.dtype)
         return y if self.bias is None else y + self.bias
@@ -238,11 +246,11 @@ class BlockLinear(Linear):
         """Only the rows `ids` are dequantised (one part; a fused weight's rows come from its dense form)."""
         if len(self.parts) == 1:
             p = self.parts[0]
-            return self._kernels.dequantize_rows(p.packed, p.qtype, ids.cpu(), p.cols).float()
+            return self._quant.dequantize_rows(p.packed, p.qtype, ids.cpu(), p.cols).float()
         return super().rows(ids)
 
     def dense(self) -> torch.Tensor:
-        return torch.cat([self._kernels.dequantize_rows(p.packed, p.qtype, torch.arange(p.rows), p.cols)
+        return torch.cat([self._quant.dequantize_rows(p.packed, p.qtype, torch.arange(p.rows), p.cols)
                           for p in self.parts])
 
     def _narrow(self) -> None:  # the parts in order, the last cut to its groups of 16 outputs

@@ -148,9 +148,10 @@ def load(source: ModelSource, dtype: torch.dtype, device: torch.device, trust_re
 def load_for_runner(source: ModelSource, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
                     keep_quantized: bool = True):
     """(model, tokenizer, quantized weights or None) for a runner. Where the native runner keeps a GGUF
-    file's blocks (keep_quantized, the CPU, bf16, AVX512-BF16 kernels, an architecture it has), the model is
-    read straight from the file (models/gguf_loader: a skeleton whose packed matrices stay on the meta device,
-    resident memory near the file's size); elsewhere the transformers path (load, then quantized_weights)."""
+    file's blocks (keep_quantized, the CPU, a quantized kernel for dtype: see kernels.quant_kernels; an
+    architecture it has), the model is read straight from the file (models/gguf_loader: a skeleton whose
+    packed matrices stay on the meta device, resident memory near the file's size); elsewhere the
+    transformers path (load, then quantized_weights)."""
     if keep_quantized and _keeps_blocks(source, dtype, device):
         direct = _load_direct(source, dtype)
         if direct is not None:
@@ -162,8 +163,7 @@ def load_for_runner(source: ModelSource, dtype: torch.dtype, device: torch.devic
 def _keeps_blocks(source: ModelSource, dtype: torch.dtype, device: torch.device) -> bool:
     from quickdraft import kernels
 
-    return source.gguf_path is not None and device.type == "cpu" and dtype == torch.bfloat16 and \
-        kernels.cpu_linear() is not None
+    return source.gguf_path is not None and device.type == "cpu" and kernels.quant_kernels(dtype) is not None
 
 
 def _packed_cache(source: ModelSource) -> Path | None:

@@ -173,9 +173,8 @@ class NativeRunner:
         norm = (lambda m: (1.0 + m.weight.detach().float())) if gemma_norms else (lambda m: m.weight.detach())
         sandwich = family.sandwich_norms
 
-        if quantized is not None and not (self.device.type == "cpu" and self.dtype == torch.bfloat16
-                                          and kernels.cpu_linear() is not None):
-            quantized = None  # the quantized kernels need AVX512-BF16 and bf16 activations: dense weights
+        if quantized is not None and not (self.device.type == "cpu" and kernels.quant_kernels(self.dtype) is not None):
+            quantized = None  # no quantized kernel for these activations on this CPU: dense weights
         self.quantized_weights = quantized
         released: list[nn.Module] = []
 
@@ -357,7 +356,8 @@ class NativeRunner:
     def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_quantized is not None:  # rows read from the quantized table, rounded as a bf16 table's are
             table = self.embed_quantized
-            return kernels.cpu_linear().dequantize_rows(table.packed, table.qtype, ids, table.cols).to(self.dtype)
+            return kernels.quant_kernels(self.dtype).dequantize_rows(table.packed, table.qtype, ids,
+                                                                     table.cols).to(self.dtype)
         return F.embedding(ids, self.embed)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, gemma_style: bool = False) -> torch.Tensor:

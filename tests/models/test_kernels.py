@@ -5,7 +5,7 @@ import logging
 from quickdraft import kernels
 
 
-def _failed_build(monkeypatch, caplog, has_bf16: bool):
+def _failed_build(monkeypatch, caplog, has_bf16: bool, tmp_path):
     from torch.utils import cpp_extension
 
     def broken_load(*args, **kwargs):
@@ -15,20 +15,22 @@ def _failed_build(monkeypatch, caplog, has_bf16: bool):
     monkeypatch.setattr(kernels, "cpu_has_bf16", lambda: has_bf16)
     monkeypatch.delenv("QUICKDRAFT_NO_KERNELS", raising=False)
     monkeypatch.setattr(cpp_extension, "load", broken_load)
+    (tmp_path / "built-before.so").touch()  # not a first build: no "compiling" notice before the failure
+    monkeypatch.setattr(kernels, "_build_dir", lambda: tmp_path)
     with caplog.at_level(logging.INFO, logger="quickdraft.kernels"):
         assert kernels.cpu_linear() is None
         assert kernels.cpu_linear() is None  # cached: said once
     return [r for r in caplog.records if r.name == "quickdraft.kernels"]
 
 
-def test_a_failed_build_warns_once_and_says_what_is_lost(monkeypatch, caplog):
+def test_a_failed_build_warns_once_and_says_what_is_lost(monkeypatch, caplog, tmp_path):
     """Failed before: a failed build fell back with only an INFO line."""
-    records = _failed_build(monkeypatch, caplog, has_bf16=True)
+    records = _failed_build(monkeypatch, caplog, has_bf16=True, tmp_path=tmp_path)
     assert [r.levelno for r in records] == [logging.WARNING]
     message = records[0].getMessage()
     assert "no compiler" in message and "greedy" in message and "bf16" in message
 
 
-def test_a_cpu_without_bf16_is_not_a_warning(monkeypatch, caplog):
-    records = _failed_build(monkeypatch, caplog, has_bf16=False)
+def test_a_cpu_without_bf16_is_not_a_warning(monkeypatch, caplog, tmp_path):
+    records = _failed_build(monkeypatch, caplog, has_bf16=False, tmp_path=tmp_path)
     assert [r.levelno for r in records] == [logging.INFO] and "AVX512-BF16" in records[0].getMessage()

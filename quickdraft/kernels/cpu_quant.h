@@ -85,20 +85,4 @@ struct Q6_KLayout {
   static __m512 min(const uint8_t*, int) { return _mm512_setzero_ps(); }
 };
 
-// Calls f(T{}) with the struct of a GGML type among a kernel's six (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K, in
-// that order): the one place a type id becomes its code.
-template <class T4_0, class T4_1, class T5_0, class T8_0, class T4_K, class T6_K, class F>
-decltype(auto) dispatch_type(int64_t type, F&& f) {
-  switch (type) {
-    case kQ4_0: return f(T4_0{});
-    case kQ4_1: return f(T4_1{});
-    case kQ5_0: return f(T5_0{});
-    case kQ8_0: return f(T8_0{});
-    case kQ4_K: return f(T4_K{});
-    case kQ6_K: return f(T6_K{});
-    default: TORCH_CHECK(false, "unsupported quantization type ", type, " (supported: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)");
-  }
-  return f(T4_0{});  // not reached
-}
-
 }  // namespace

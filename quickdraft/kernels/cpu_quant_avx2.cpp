@@ -297,16 +297,7 @@ void groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, floa
 
 template <class F>
 decltype(auto) dispatch(int64_t type, F&& f) {
-  switch (type) {
-    case kQ4_0: return f(Q4_0A{});
-    case kQ4_1: return f(Q4_1A{});
-    case kQ5_0: return f(Q5_0A{});
-    case kQ8_0: return f(Q8_0A{});
-    case kQ4_K: return f(Q4_KA{});
-    case kQ6_K: return f(Q6_KA{});
-    default: TORCH_CHECK(false, "unsupported quantization type ", type, " (supported: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)");
-  }
-  return f(Q4_0A{});  // not reached
+  return dispatch_type<Q4_0A, Q4_1A, Q5_0A, Q8_0A, Q4_KA, Q6_KA>(type, std::forward<F>(f));
 }
 
 }  // namespace

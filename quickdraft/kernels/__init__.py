@@ -15,6 +15,8 @@ because torch's float32 attention rounds a row by the call's shape and the int8 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 from pathlib import Path
@@ -31,6 +33,32 @@ _state: dict[str, object] = {}
 def _build_dir() -> Path:
     root = Path(os.environ.get("QUICKDRAFT_CACHE", Path.home() / ".cache" / "quickdraft"))
     return root / "kernels" / f"torch-{torch.__version__}"
+
+
+@contextlib.contextmanager
+def _build_lock(build: Path):
+    """Held while a process builds or loads the kernels in `build`. torch's own `lock` file there is created and
+    deleted by the building process, so a build killed midway (Ctrl-C, a test run's timeout) leaves it behind and
+    every later load waits on it forever. An fcntl lock is released by the kernel when its holder dies; holding it,
+    no other quickdraft process is building, so a `lock` file found then is stale and is removed."""
+    with open(build / "quickdraft.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build / "lock"
+            if stale.exists():
+                log.warning("quickdraft: removing a stale kernel build lock left by an interrupted build (%s)", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _load(name: str, sources: list[str], build: Path, cflags: list[str]):
+    from torch.utils import cpp_extension
+
+    with _build_lock(build):
+        return cpp_extension.load(name=name, sources=sources, build_directory=str(build), extra_cflags=cflags,
+                                  extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def cpu_has_bf16() -> bool:
@@ -51,16 +79,12 @@ def cpu_linear():
     else:
         reason = None
         try:
-            from torch.utils import cpp_extension
-
             build = _build_dir()
             build.mkdir(parents=True, exist_ok=True)
             if not any(build.glob("*.so")):
                 log.warning("quickdraft: compiling its CPU kernels (once, about a minute)")
-            module = cpp_extension.load(
-                name="quickdraft_cpu_linear", sources=_SOURCES, build_directory=str(build),
-                extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
-                extra_ldflags=["-fopenmp"], verbose=False)
+            module = _load("quickdraft_cpu_linear", _SOURCES, build,
+                           ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"])
         except Exception as error:  # no compiler, no ninja, a compile error: fall back, say why once
             reason = f"the build failed ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})"
     if reason and cpu_has_bf16() and not os.environ.get("QUICKDRAFT_NO_KERNELS"):
@@ -100,16 +124,12 @@ def cpu_quant_avx2():
     else:
         reason = None
         try:
-            from torch.utils import cpp_extension
-
             build = _build_dir() / "avx2"
             build.mkdir(parents=True, exist_ok=True)
             if not any(build.glob("*.so")):
                 log.warning("quickdraft: compiling its AVX2 quantized kernels (once, about half a minute)")
-            module = cpp_extension.load(
-                name="quickdraft_cpu_quant_avx2", sources=[str(Path(__file__).with_name("cpu_quant_avx2.cpp"))],
-                build_directory=str(build), extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
-                extra_ldflags=["-fopenmp"], verbose=False)
+            module = _load("quickdraft_cpu_quant_avx2", [str(Path(__file__).with_name("cpu_quant_avx2.cpp"))], build,
+                           ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"])
         except Exception as error:  # as cpu_linear(): fall back to float32 weights, say why
             reason = f"the build failed ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})"
             log.warning("quickdraft: AVX2 quantized kernels unavailable, GGUF weights widened to float32: %s", reason)

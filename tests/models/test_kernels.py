@@ -34,3 +34,13 @@ def test_a_failed_build_warns_once_and_says_what_is_lost(monkeypatch, caplog, tm
 def test_a_cpu_without_bf16_is_not_a_warning(monkeypatch, caplog, tmp_path):
     records = _failed_build(monkeypatch, caplog, has_bf16=False, tmp_path=tmp_path)
     assert [r.levelno for r in records] == [logging.INFO] and "AVX512-BF16" in records[0].getMessage()
+
+
+def test_a_build_lock_left_by_an_interrupted_build_is_removed(tmp_path):
+    """torch's build `lock` file outlives a build killed midway and would make every later load wait forever;
+    under quickdraft's own fcntl lock (released when its holder dies) such a file is known stale and removed."""
+    (tmp_path / "lock").write_text("")
+    with kernels._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    with kernels._build_lock(tmp_path):  # taken again once released
+        pass

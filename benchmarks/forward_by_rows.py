@@ -5,9 +5,10 @@ round by round; medians, and the ratio to one row. On CPUs without AVX-512 the n
 on the AVX2 quantized kernels (float32 activations), their one scheme.
 
     .venv/bin/python benchmarks/forward_by_rows.py [MODEL] [--rows 1,2,4,5,8,9,12,16,24,32] [--rounds 7]
-        [--kernels int16,int8x32]
+        [--kernels int16,int8x32] [--residual float32,bf16]
 
---kernels interleaves quantized kernels (activation schemes) round by round too (default: the one in use).
+--kernels interleaves quantized kernels (activation schemes) round by round too (default: the one in use);
+--residual the residual stream's dtype (float32 is a GGUF model's default since session 21; bf16 as before).
 
 Run it with nothing else running: the machine's bandwidth and other processes move every figure.
 """
@@ -34,6 +35,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kernels", default="", help="comma-separated quantized kernels (default: the one in use)")
+    parser.add_argument("--residual", default="", help="comma-separated residual dtypes, float32,bf16 (default: the "
+                        "runner's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner, _ = load_runner(args.model, dtype=resolve_dtype("auto", torch.device("cpu")))
@@ -45,7 +48,13 @@ def main() -> None:
     kernel_before = module.quant_kernel()
     schemes = args.kernels.split(",") if args.kernels else [kernel_before]
     amx = avx512 and (module.set_quant_amx(True) or module.quant_amx())
-    tilings = [(k, t) for k in schemes for t in (["tiles", "vpdpbusd"] if amx else ["vpdpbusd" if avx512 else "avx2"])]
+    dtypes = {"float32": torch.float32, "bf16": torch.bfloat16}
+    residuals = args.residual.split(",") if args.residual else [
+        next(name for name, dtype in dtypes.items() if dtype == runner.residual_dtype)]
+    if not set(residuals) <= set(dtypes):
+        raise SystemExit(f"--residual takes {', '.join(dtypes)}")
+    tilings = [(k, t, r) for k in schemes for r in residuals
+               for t in (["tiles", "vpdpbusd"] if amx else ["vpdpbusd" if avx512 else "avx2"])]
     ids = torch.randint(0, 1000, (args.context + max(rows),), generator=torch.Generator().manual_seed(0))
     cache = runner.new_cache()
     runner.forward(cache, ids[: args.context])
@@ -55,6 +64,7 @@ def main() -> None:
         for round_ in range(args.rounds + 1):  # round 0 warms up
             for tiling in tilings:
                 module.set_quant_kernel(tiling[0])
+                runner.residual_dtype = dtypes[tiling[2]]
                 if avx512:
                     module.set_quant_amx(tiling[1] == "tiles")
                 for n in rows:
@@ -72,13 +82,13 @@ def main() -> None:
     cpu = "AMX" if "amx_int8" in flags else "no AMX" if avx512 else "AVX2, no AVX-512"
     print(f"{args.model} ({cpu}, {args.threads} threads): a forward of n new rows after {args.context} cached, "
           f"median of {args.rounds} interleaved rounds, ms (x {rows[0]} rows of the same kernel and tiling)")
-    print("| kernel, tiling | " + " | ".join(str(n) for n in rows) + " |")
+    print("| kernel, tiling, residual | " + " | ".join(str(n) for n in rows) + " |")
     print("|---" * (len(rows) + 1) + "|")
     for tiling in tilings:
         one = statistics.median(times[(tiling, rows[0])])
         cells = [f"{statistics.median(times[(tiling, n)]) * 1e3:.1f} ({statistics.median(times[(tiling, n)]) / one:.2f}x)"
                  for n in rows]
-        print(f"| {tiling[0]}, {tiling[1]} | " + " | ".join(cells) + " |")
+        print(f"| {', '.join(tiling)} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -2,13 +2,15 @@
 KL against the dequantized float32 model, at every position of some Spec-Bench dev prompts.
 
     .venv/bin/python benchmarks/quant_quality.py [MODEL] [--prompts 13] [--max-tokens 192] [--kernels int8,int16,bf16]
-        [--llamacpp]
+        [--residual float32,bf16] [--llamacpp]
 
 The reference is the GGUF file's weights dequantized to float32 (transformers, float32 activations). Each kernel
 (kernels/cpu_quant*.cpp: int8 or int16 digits an activation on integer dot products, or bf16 activations) runs
 quickdraft's native runner on the file's blocks, each prompt as one forward; --llamacpp adds llama.cpp's
 computation of the same file (llama-cpp-python, logits_all) on the same token ids. Prompts: the first turn of one
 record per category (benchmarks/vs_llamacpp.py's choice, with the chat template where the model has one).
+--residual: the dtype of the hidden states between layers (float32, the default for GGUF blocks since session 21, as
+llama.cpp keeps them; bf16, the model dtype, as before), each kernel run with each.
 KL(reference || kernel) in nats, averaged over positions; agreement: the kernel's argmax equals the reference's.
 """
 
@@ -35,6 +37,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=13)
     parser.add_argument("--max-tokens", type=int, default=192, help="positions per prompt (its first tokens)")
     parser.add_argument("--kernels", default="int8,int16,bf16")
+    parser.add_argument("--residual", default="float32", help="residual stream dtypes to compare: float32,bf16")
     parser.add_argument("--llamacpp", action="store_true", help="also llama.cpp's logits (needs llama-cpp-python)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -52,7 +55,12 @@ def main() -> None:
         raise SystemExit("this comparison needs quickdraft's quantized CPU kernels (an AVX512-BF16 CPU)")
     module = runner._cpu_kernels
     ids_list = [ids[: args.max_tokens] for ids in prompts(tokenizer, args.prompts)]
-    engines = {f"quickdraft {name}": name for name in args.kernels.split(",")}
+    residuals = {"float32": torch.float32, "bf16": torch.bfloat16}
+    for name in args.residual.split(","):
+        if name not in residuals:
+            raise SystemExit(f"--residual: {name!r} is not one of {', '.join(residuals)}")
+    engines = {f"quickdraft {name} {residual}": (name, residuals[residual])
+               for name in args.kernels.split(",") for residual in args.residual.split(",")}
     llama = None
     if args.llamacpp:
         from llama_cpp import Llama
@@ -71,7 +79,8 @@ def main() -> None:
                 exact = reference(tokens[None]).logits[0].float()
             for name, kernel in engines.items():
                 if kernel is not None:
-                    module.set_quant_kernel(kernel)
+                    module.set_quant_kernel(kernel[0])
+                    runner.residual_dtype = kernel[1]
                     logits = runner.forward(runner.new_cache(), tokens, len(ids))
                 else:
                     llama.reset()
@@ -86,9 +95,9 @@ def main() -> None:
         module.set_quant_kernel(before)
     print(f"{args.model}: {len(ids_list)} prompts, {positions} positions (up to {args.max_tokens} a prompt), "
           f"teacher-forced against the dequantized float32 model")
-    print(f"  {'engine':22s} {'top-1 agreement':>16s} {'mean KL (nats)':>15s} {'median prompt KL':>17s}")
+    print(f"  {'engine':30s} {'top-1 agreement':>16s} {'mean KL (nats)':>15s} {'median prompt KL':>17s}")
     for name, (agree, kl) in totals.items():
-        print(f"  {name:22s} {agree / positions:16.4f} {kl / positions:15.6f} {statistics.median(kl_per_prompt[name]):17.6f}")
+        print(f"  {name:30s} {agree / positions:16.4f} {kl / positions:15.6f} {statistics.median(kl_per_prompt[name]):17.6f}")
 
 
 if __name__ == "__main__":

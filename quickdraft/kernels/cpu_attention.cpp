@@ -375,34 +375,47 @@ torch::Tensor attention_segments(const torch::Tensor& q, int64_t num_q_heads, co
 // RMSNorm of each row of x [rows, H] (contiguous), bf16 out. weight: [R, H] (row r of x uses weight row
 // r % R). llama_style: round the normalised row to bf16 before multiplying by a bf16 weight (Llama);
 // otherwise multiply by a float32 weight, then round (Gemma, whose weight is stored as 1 + w).
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool llama_style) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "rms_norm: contiguous bf16 x");
+// x [.., H] bf16, or float32 (a float32 residual stream). The result is bf16 rounded as the model rounds it, or
+// float32 if float_output, computed in float32 without the model's bf16 rounding (llama.cpp's way, for a float32
+// residual stream: a Gemma post-norm joining it, or a norm feeding a GGUF layer's integer kernel). A bf16 x gives
+// the same bits as before float32 inputs existed.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool llama_style,
+                       bool float_output) {
+  const bool x_float = x.scalar_type() == at::kFloat;
+  TORCH_CHECK((x_float || x.scalar_type() == at::kBFloat16) && x.is_contiguous(), "rms_norm: contiguous bf16 or float32 x");
   const int64_t H = x.size(-1), rows = x.numel() / H;
   TORCH_CHECK(H % 16 == 0 && weight.is_contiguous() && weight.size(-1) == H, "rms_norm: bad shapes");
   TORCH_CHECK(weight.scalar_type() == (llama_style ? at::kBFloat16 : at::kFloat), "rms_norm: weight dtype");
   const int64_t R = weight.numel() / H;
-  auto y = torch::empty_like(x);
-  const auto* xp = x.data_ptr<c10::BFloat16>();
-  auto* yp = y.data_ptr<c10::BFloat16>();
+  auto y = torch::empty(x.sizes(), x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
+  const void* xp = x.data_ptr();
+  void* yp = y.data_ptr();
   const void* wp = weight.data_ptr();
+  auto load = [&](int64_t offset) {
+    return x_float ? _mm512_loadu_ps(static_cast<const float*>(xp) + offset)
+                   : load16(static_cast<const c10::BFloat16*>(xp) + offset);
+  };
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const c10::BFloat16* row = xp + r * H;
       __m512 acc = _mm512_setzero_ps();
-      for (int64_t i = 0; i < H; i += 16) { __m512 v = load16(row + i); acc = _mm512_fmadd_ps(v, v, acc); }
+      for (int64_t i = 0; i < H; i += 16) { __m512 v = load(r * H + i); acc = _mm512_fmadd_ps(v, v, acc); }
       const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / H + static_cast<float>(eps));
       const __m512 scale = _mm512_set1_ps(inv);
       const int64_t wr = (r % R) * H;
       for (int64_t i = 0; i < H; i += 16) {
-        __m512 v = _mm512_mul_ps(load16(row + i), scale);
+        __m512 v = _mm512_mul_ps(load(r * H + i), scale);
         if (llama_style) {
-          // bf16(bf16(v) * w): round, widen, multiply by the bf16 weight, round again.
-          __m512 rounded = load16_from_pbh(_mm512_cvtneps_pbh(v));
+          // bf16(bf16(v) * w): round, widen, multiply by the bf16 weight, round again (float32: v * w).
+          __m512 rounded = float_output ? v : load16_from_pbh(_mm512_cvtneps_pbh(v));
           v = _mm512_mul_ps(rounded, load16(static_cast<const c10::BFloat16*>(wp) + wr + i));
         } else {
           v = _mm512_mul_ps(v, _mm512_loadu_ps(static_cast<const float*>(wp) + wr + i));
         }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + r * H + i), (__m256i)_mm512_cvtneps_pbh(v));
+        if (float_output)
+          _mm512_storeu_ps(static_cast<float*>(yp) + r * H + i, v);
+        else
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<c10::BFloat16*>(yp) + r * H + i),
+                              (__m256i)_mm512_cvtneps_pbh(v));
       }
     }
   });

@@ -24,7 +24,8 @@ bool set_quant_amx(bool on);
 int64_t set_quant_amx_rows(int64_t rows);
 torch::Tensor attention(const torch::Tensor& q, int64_t num_q_heads, const torch::Tensor& keys,
                         const torch::Tensor& values, int64_t start, int64_t window, double scale);
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool llama_style);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool llama_style,
+                       bool float_output);
 torch::Tensor rope_and_cache(const torch::Tensor& qkv, int64_t num_q_heads, const torch::Tensor& qk_norm,
                              double eps, const torch::Tensor& cos, const torch::Tensor& sin,
                              torch::Tensor& keys, torch::Tensor& values, int64_t start);
@@ -61,8 +62,11 @@ struct Linear {
         bias(std::get<2>(spec).value_or(torch::Tensor())), out(std::get<3>(spec)), parts(std::get<4>(spec)),
         types(std::get<5>(spec)) {}
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    torch::Tensor y = !parts.empty()    ? linear_quant(x, parts, types)
+  // float_output: float32 y where the weight is GGUF blocks (their kernels sum in float32), for a float32
+  // residual stream; other weights return bf16 (such a runner keeps a bf16 residual stream).
+  torch::Tensor operator()(const torch::Tensor& x, bool float_output = false) const {
+    if (parts.empty() && x.scalar_type() != at::kBFloat16) return (*this)(x.to(at::kBFloat16), float_output);
+    torch::Tensor y = !parts.empty()    ? linear_quant(x, parts, types, float_output)
                       : scales.defined() ? linear_int8(x, weight, scales)
                                          : linear_bf16(x, weight, true);
     if (y.size(1) != out) y = y.narrow(1, 0, out).contiguous();
@@ -91,7 +95,7 @@ class Decoder {
                             qk_norm.value_or(torch::Tensor()), window, rope});
   }
 
-  // x: [n, hidden] bf16 hidden states of the new tokens (updated in place and returned); keys [layers, Hkv,
+  // x: [n, hidden] bf16 or float32 (the residual stream's dtype) hidden states of the new tokens (updated in place and returned); keys [layers, Hkv,
   // cap/16, d/2, 16, 2] and values [layers, Hkv, cap, d] of the sequence; the new tokens sit at start...;
   // cos[r], sin[r]: the rotary rows of those positions for rope kind r.
   torch::Tensor forward(torch::Tensor x, torch::Tensor keys, torch::Tensor values, int64_t start,
@@ -146,15 +150,20 @@ class Decoder {
   template <typename Attend>
   torch::Tensor run(torch::Tensor x, const Attend& attend) const {
     const bool llama_norm = !gemma_;
+    // A float32 x is a float32 residual stream (GGUF blocks, as llama.cpp keeps it): the output and down
+    // projections add to it unrounded, and the norms hand a layer on GGUF blocks float32 rows (its kernel
+    // quantizes them as they are), other layers bf16 ones.
+    const bool wide = x.scalar_type() == at::kFloat;
     for (size_t index = 0; index < layers_.size(); ++index) {
       const Layer& layer = layers_[index];
-      torch::Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm, eps_, llama_norm));
-      torch::Tensor attn = layer.o(attend(index, layer, qkv));
-      if (layer.post_attn_norm.defined()) attn = rms_norm(attn, layer.post_attn_norm, eps_, false);
-      x.add_(attn);  // the residual sum, rounded to bf16 as the model's `x + attn` is
-      torch::Tensor mlp = layer.down(gated_activation(layer.gate_up(rms_norm(x, layer.pre_mlp_norm, eps_, llama_norm)),
-                                                      gelu_tanh_));
-      if (layer.post_mlp_norm.defined()) mlp = rms_norm(mlp, layer.post_mlp_norm, eps_, false);
+      torch::Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm, eps_, llama_norm, wide && !layer.qkv.parts.empty()));
+      torch::Tensor attn = layer.o(attend(index, layer, qkv), wide);
+      if (layer.post_attn_norm.defined()) attn = rms_norm(attn, layer.post_attn_norm, eps_, false, wide);
+      x.add_(attn);  // the residual sum, rounded to x's dtype as the model's `x + attn` is
+      torch::Tensor mlp = layer.down(
+          gated_activation(layer.gate_up(rms_norm(x, layer.pre_mlp_norm, eps_, llama_norm,
+                                                  wide && !layer.gate_up.parts.empty())), gelu_tanh_), wide);
+      if (layer.post_mlp_norm.defined()) mlp = rms_norm(mlp, layer.post_mlp_norm, eps_, false, wide);
       x.add_(mlp);
     }
     return x;
@@ -178,7 +187,9 @@ bool amx_available();  // cpu_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "causal (optionally sliding-window) attention of a decoding step, packed keys");
-  m.def("rms_norm", &rms_norm, "RMSNorm, Llama or Gemma rounding");
+  m.def("rms_norm", &rms_norm, "RMSNorm, Llama or Gemma rounding, of bf16 or float32 x; bf16 out, or float32 (unrounded) "
+        "if float_output", py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("llama_style"),
+        py::arg("float_output") = false);
   m.def("rope_and_cache", &rope_and_cache, "per-head norm, rotary embedding, and the KV cache write of a layer");
   m.def("attention_segments", &attention_segments, "attention of one layer over the rows of several sequences "
         "(token trees: tree_bases and tree_parents per sequence)", py::arg("q"), py::arg("num_q_heads"),

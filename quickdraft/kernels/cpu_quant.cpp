@@ -275,13 +275,16 @@ std::string set_quant_kernel(const std::string& name) {
 }
 
 // y = x [W_0; W_1; ...]^T: the outputs of several quantized weights (each its own type) side by side, as a fused
-// q|k|v or gate|up projection whose parts GGUF stores in different types. x: [M, K] bf16; weights[i]: packed
+// q|k|v or gate|up projection whose parts GGUF stores in different types. x: [M, K] bf16 or float32; weights[i]: packed
 // [N_i/16, K/SB_i, chunk_i] uint8 of GGML type types[i]. Returns [M, sum N_i] bf16, or float32 if float_output
 // (logits: rounded to bf16, near-ties of the largest logits become ties).
-torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+torch::Tensor linear_quant(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
                            const std::vector<int64_t>& types, bool float_output) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
-              "x must be a contiguous 2-d bf16 CPU tensor");
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat) &&
+              x_in.is_contiguous() && x_in.device().is_cpu(), "x must be a contiguous 2-d bf16 or float32 CPU tensor");
+  // float32 x: the integer kernels quantize it as it is; the bf16 kernel reads it rounded to bf16.
+  const int kernel = quant_kernel_in_use();
+  const torch::Tensor x = kernel == kBf16 ? x_in.to(at::kBFloat16) : x_in;
   TORCH_CHECK(!weights.empty() && weights.size() == types.size(), "one type per quantized weight");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32, got ", K);
@@ -295,7 +298,6 @@ torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tens
     total_groups += weights[i].size(0);
     mins = mins || packed_type(types[i]).mins;
   }
-  const int kernel = quant_kernel_in_use();
   if (kernel != kBf16)
     return linear_quant_vnni(x, weights, types, kernel == kInt16 ? 2 : 1, kernel == kInt8x32, float_output);
   auto y = torch::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));

@@ -67,21 +67,26 @@ inline __m512 bf16x16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
 }
 
-void quantize_row(const c10::BFloat16* x, Activations& a, int64_t m) {
+inline __m512 load_x16(const c10::BFloat16* p) { return bf16x16(p); }
+inline __m512 load_x16(const float* p) { return _mm512_loadu_ps(p); }
+
+// x: bf16 rows, or float32 ones (a float32 residual stream's norms: no bf16 rounding before the integer digits).
+template <typename T>
+void quantize_row(const T* x, Activations& a, int64_t m) {
   const int64_t K = a.K, B = a.block;
   const float range = kRange[a.digits];
   const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
   const __m512i lo = _mm512_set1_epi32(-static_cast<int>(range)), hi = _mm512_set1_epi32(static_cast<int>(range));
   for (int64_t b = 0; b < K / B; ++b) {
-    const c10::BFloat16* xb = x + b * B;
+    const T* xb = x + b * B;
     __m512 amax = _mm512_setzero_ps();
-    for (int64_t k = 0; k < B; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16x16(xb + k)));
+    for (int64_t k = 0; k < B; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_x16(xb + k)));
     const float top = _mm512_reduce_max_ps(amax);
     a.scale[m * (K / B) + b] = top / range;
     const __m512 inv = _mm512_set1_ps(top > 0.0f ? range / top : 0.0f);
     for (int64_t k = 0; k < B; k += 16) {
       const int64_t at = m * K + b * B + k;
-      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(bf16x16(xb + k), inv));  // rounds to nearest even
+      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load_x16(xb + k), inv));  // rounds to nearest even
       v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
       if (a.nibble_order) v = _mm512_permutexvar_epi32(order, v);
       a.sum16[at / 16] = _mm512_reduce_add_epi32(v);
@@ -108,7 +113,8 @@ void quantize_row(const c10::BFloat16* x, Activations& a, int64_t m) {
 }
 
 // rows: M, or more (a multiple of the AMX tile's rows): the rows past M are zeros.
-void quantize(const c10::BFloat16* x, int64_t M, int64_t rows, int64_t K, int64_t block, int digits,
+template <typename T>
+void quantize(const T* x, int64_t M, int64_t rows, int64_t K, int64_t block, int digits,
               bool nibble_order, Activations& a) {
   a.M = M, a.K = K, a.block = block, a.digits = digits, a.nibble_order = nibble_order;
   a.digits_.assign(rows * digits * K, 0);
@@ -726,7 +732,6 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
   }
   auto y = torch::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
-  const auto* xp = x.data_ptr<c10::BFloat16>();
   // A tiles of 8 rows (each row's digits) for few rows, else 16; zero rows past M up to a whole pass
   const int tile_rows = M * digits <= 8 ? 8 : 16;
   const int64_t pass = tile_rows / digits;
@@ -745,7 +750,12 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
   Activations acts[4];
   for (int wide = 0; wide < 2; ++wide)
     for (int nibbles = 0; nibbles < 2; ++nibbles)
-      if (needed[wide][nibbles]) quantize(xp, M, rows, K, wide && !fine ? 256 : 32, digits, nibbles, acts[2 * wide + nibbles]);
+      if (needed[wide][nibbles]) {
+        const int64_t block = wide && !fine ? 256 : 32;
+        Activations& a = acts[2 * wide + nibbles];
+        if (x.scalar_type() == at::kFloat) quantize(x.data_ptr<float>(), M, rows, K, block, digits, nibbles, a);
+        else quantize(x.data_ptr<c10::BFloat16>(), M, rows, K, block, digits, nibbles, a);
+      }
   auto run = [&](auto* yp) {
     at::parallel_for(0, total_groups, 4, [&](int64_t begin, int64_t end) {
       int64_t base = 0;

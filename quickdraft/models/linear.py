@@ -35,6 +35,9 @@ class Linear(ABC):
     dtype: torch.dtype  # that of the activations
     bias: torch.Tensor | None
     _kernels = None  # quickdraft's CPU kernels where this layer runs on them
+    # Whether the layer's kernel takes float32 rows as they are (GGUF blocks: their integer digits come from x
+    # itself); other layers read bf16 rows, so a float32 residual stream's norm rounds for them.
+    reads_float32 = False
 
     @property
     def on_cpu_kernels(self) -> bool:
@@ -229,14 +232,18 @@ class BlockLinear(Linear):
     def _tensors(self) -> list[torch.Tensor | None]:
         return [self.bias] + self._packed
 
+    reads_float32 = True
+
     def __call__(self, x: torch.Tensor, float_output: bool = False) -> torch.Tensor:
+        """x: bf16 or float32 rows (the AVX-512 kernels quantize either as it is; AVX2's read float32); y in the
+        activations' dtype, or float32 if float_output."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if self._kernels is not None or rows.dtype not in (torch.float32, torch.bfloat16):
-            rows = rows.to(torch.bfloat16 if self._kernels is not None else torch.float32)  # what the kernel reads
+        if rows.dtype not in (torch.float32, torch.bfloat16) or (self._kernels is None and rows.dtype != torch.float32):
+            rows = rows.to(torch.float32)  # what the kernel reads
         y = self._quant.linear_quant(rows.contiguous(), self._packed, self._types, float_output)
         y = self._trim(y).reshape(*shape[:-1], -1)
-        y = y if float_output else y.to(x.dtype)
+        y = y if float_output else y.to(self.dtype)
         return y if self.bias is None else y + self.bias
 
     def spec(self) -> tuple:

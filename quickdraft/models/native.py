@@ -112,14 +112,17 @@ def _kernel_trees(trees: list[TreeAttention | None] | None) -> tuple[list[int], 
              for t in trees])
 
 
-def _rms_norm_llama(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Llama rounds the normalised activations to the model dtype before the weight multiplies them.
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+def _rms_norm_llama(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    # Llama rounds the normalised activations to the model dtype before the weight multiplies them; a float32
+    # result (for a float32 residual stream's GGUF layers) is computed in float32 throughout, as llama.cpp does.
+    if dtype == torch.float32:
+        return weight.float() * F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return (weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(weight.dtype)).to(dtype)
 
 
-def _rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
     # Gemma multiplies by (1 + w) in float32 (stored so in `weight`), then rounds.
-    return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * weight).to(x.dtype)
+    return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * weight).to(dtype)
 
 
 class NativeRunner:
@@ -176,6 +179,11 @@ class NativeRunner:
         if quantized is not None and not (self.device.type == "cpu" and kernels.quant_kernels(self.dtype) is not None):
             quantized = None  # no quantized kernel for these activations on this CPU: dense weights
         self.quantized_weights = quantized
+        # The residual stream (the hidden states between layers) of a GGUF model on its own blocks is float32,
+        # as llama.cpp keeps it: bf16 sums lose the small updates of later layers to large channels (measured
+        # in benchmarks/RESULTS.md, session 21). The norms still hand the linear layers model-dtype rows, and
+        # attention, the KV cache and the other weights keep the model's dtype.
+        self.residual_dtype = torch.float32 if quantized is not None else self.dtype
         released: list[nn.Module] = []
 
         def linear(index: int, roles: tuple[str, ...], modules: tuple[nn.Linear, ...]) -> Linear:
@@ -354,17 +362,22 @@ class NativeRunner:
         return table
 
     def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.embed_quantized is not None:  # rows read from the quantized table, rounded as a bf16 table's are
+        """The embedding rows of ids [n] in the residual stream's dtype (the quantized table's rows are float32)."""
+        if self.embed_quantized is not None:
             table = self.embed_quantized
             return kernels.quant_kernels(self.dtype).dequantize_rows(table.packed, table.qtype, ids,
-                                                                     table.cols).to(self.dtype)
-        return F.embedding(ids, self.embed)
+                                                                     table.cols).to(self.residual_dtype)
+        return F.embedding(ids, self.embed).to(self.residual_dtype)
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor, gemma_style: bool = False) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, gemma_style: bool = False,
+              float_output: bool = False) -> torch.Tensor:
+        """RMSNorm of x (model dtype or float32) into the model's dtype, or float32 if float_output (for a float32
+        residual stream: a Gemma post-norm that joins it, a norm feeding a layer that reads float32 rows)."""
         gemma_style = gemma_style or self.family.gemma_norms
         if self._cpu_kernels is not None:
-            return self._cpu_kernels.rms_norm(x, weight, self.eps, not gemma_style)
-        return (_rms_norm_gemma if gemma_style else _rms_norm_llama)(x, weight, self.eps)
+            return self._cpu_kernels.rms_norm(x, weight, self.eps, not gemma_style, float_output)
+        dtype = torch.float32 if float_output else self.dtype
+        return (_rms_norm_gemma if gemma_style else _rms_norm_llama)(x, weight, self.eps, dtype)
 
     def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
                    window: int | None, masks: dict, tree: TreeAttention | None = None) -> torch.Tensor:
@@ -415,6 +428,7 @@ class NativeRunner:
         rope_rows = [slice(start, end) if tree is None else tree_positions(tree)[start:].to(self.device)
                      for start, end, tree in zip(starts, ends, trees)]
         norm = self._norm
+        wide = x.dtype == torch.float32 and self.dtype != torch.float32  # a float32 residual stream
         for index, layer in enumerate(self.layers):
             if layer.rope not in ropes:
                 cos, sin = self._rope(layer.rope, max(ends))
@@ -424,7 +438,7 @@ class NativeRunner:
                 ropes[layer.rope] = (cos, sin)  # the kernels take whole tables, indexed by position
             cos_rows, sin_rows = ropes[layer.rope]
 
-            qkv = layer.qkv(norm(x, layer.input_norm))  # [num_tokens, (Hq + 2 Hkv) * head_dim]
+            qkv = layer.qkv(norm(x, layer.input_norm, float_output=wide and layer.qkv.reads_float32))
             if fast is not None:
                 q = fast.rope_and_cache_segments(qkv, h_q, self._no_tensor if layer.qk_norm is None else layer.qk_norm,
                                                  self.eps, cos_rows, sin_rows, keys_list, values_list, index, starts,
@@ -447,19 +461,19 @@ class NativeRunner:
                     parts.append(self._attention(qk[lo:hi, :h_q], keys[:, :end], values[:, :end], start,
                                                  layer.sliding_window, masks[i], trees[i]))
                 attn = parts[0] if len(parts) == 1 else torch.cat(parts)  # [num_tokens, Hq * head_dim]
-            attn = layer.o(attn)
+            attn = layer.o(attn, float_output=wide)
             if layer.post_attn_norm is not None:
-                attn = norm(attn, layer.post_attn_norm)
+                attn = norm(attn, layer.post_attn_norm, float_output=wide)
             x = x + attn
 
-            gate_up = layer.gate_up(norm(x, layer.pre_mlp_norm))
+            gate_up = layer.gate_up(norm(x, layer.pre_mlp_norm, float_output=wide and layer.gate_up.reads_float32))
             if self._fused_activation is not None:
-                mlp = layer.down(fast.gated_activation(gate_up, self._fused_activation))
+                mlp = layer.down(fast.gated_activation(gate_up, self._fused_activation), float_output=wide)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
-                mlp = layer.down(self.act(gate) * up)
+                mlp = layer.down(self.act(gate) * up, float_output=wide)
             if layer.post_mlp_norm is not None:
-                mlp = norm(mlp, layer.post_mlp_norm)
+                mlp = norm(mlp, layer.post_mlp_norm, float_output=wide)
             x = x + mlp
         return x
 
@@ -474,7 +488,7 @@ class NativeRunner:
         """The input embeddings of token ids [n] as the first layer reads them (Gemma's scale applied),
         [n, hidden] in the model's dtype: what an EAGLE head pairs with the target's features."""
         x = self._embedding(ids.to(self.device))
-        return x * self.embed_scale if self.embed_scale is not None else x
+        return (x * self.embed_scale if self.embed_scale is not None else x).to(self.dtype)
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [n, hidden] (after the final norm) -> float32 logits [n, V], softcapped where the
@@ -524,7 +538,8 @@ class NativeRunner:
         for cache, end in zip(caches, ends):
             cache.reserve(end)
         if inputs_embeds is not None:
-            x = (inputs_embeds[0] if len(inputs_embeds) == 1 else torch.cat(inputs_embeds)).to(self.dtype).contiguous()
+            x = (inputs_embeds[0] if len(inputs_embeds) == 1 else torch.cat(inputs_embeds)).to(
+                self.residual_dtype).contiguous()
         else:
             x = self._embedding(ids)  # [num_tokens, hidden]
             if self.embed_scale is not None:

@@ -187,6 +187,27 @@ def test_kernel_rms_norm_rounds_like_llama_and_gemma():
 
 
 @needs_kernels
+def test_kernel_rms_norm_of_a_float32_residual_stream():
+    """float32 x (a GGUF model's residual stream): bf16 out rounded as for bf16 x, or float32 out without the
+    model's bf16 roundings (llama.cpp's float32 norm); every row alike whatever the call."""
+    k = cpu_linear()
+    torch.manual_seed(0)
+    x = torch.randn(7, 64) * torch.tensor([1.0, 30.0, 1e-3, 1.0, 1.0, 5.0, 1.0])[:, None]
+    w, wf = torch.randn(64, dtype=torch.bfloat16), torch.randn(64)
+    normed = F.rms_norm(x.double(), (64,), None, 1e-6)
+    assert torch.equal(k.rms_norm(x.bfloat16(), w, 1e-6, True), k.rms_norm(x.bfloat16().float(), w, 1e-6, True))
+    for weight, llama in ((w, True), (wf, False)):
+        bf16 = k.rms_norm(x, weight, 1e-6, llama)
+        full = k.rms_norm(x, weight, 1e-6, llama, float_output=True)
+        assert bf16.dtype == torch.bfloat16 and full.dtype == torch.float32
+        exact = normed * weight.double()
+        torch.testing.assert_close(full.double(), exact, atol=1e-6, rtol=1e-5)
+        assert (full.double() - exact).abs().max() < (bf16.double() - exact).abs().max()
+        for m in (1, 3):
+            assert torch.equal(k.rms_norm(x[2:2 + m].contiguous(), weight, 1e-6, llama, float_output=True), full[2:2 + m])
+
+
+@needs_kernels
 @pytest.mark.parametrize("gelu", [False, True])
 def test_kernel_gated_activation_matches_torch_and_is_row_invariant(gelu):
     k = cpu_linear()
@@ -306,6 +327,28 @@ def test_quantized_runner_runs_the_blocks_and_releases_the_dense_copies(name):
     singles = torch.cat([runner.forward(cache, prompt[i:i + 1]) for i in range(4, 9)])
     cache.rollback(4)
     assert torch.equal(runner.forward(cache, prompt[4:9], 5), singles)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["llama16", "gemma16"])
+@pytest.mark.parametrize("residual", [torch.float32, torch.bfloat16])
+def test_gguf_runner_keeps_a_float32_residual_stream_and_its_cpp_loop_equals_the_python_loop(name, residual):
+    """A runner on GGUF blocks keeps its hidden states in float32 (llama.cpp's way; bf16 as before on request):
+    the C++ loop and the Python loop give the same bits either way, verification rows those of single steps."""
+    model = BUILDS[name](seed=0).to(torch.bfloat16)
+    runner = NativeRunner(model, quantized=_quantized_weights(model))
+    assert runner.residual_dtype == torch.float32 and runner._native_decoder() is not None
+    runner.residual_dtype = residual
+    ids = torch.randint(0, _vocab(model), (30,), generator=torch.Generator().manual_seed(1))
+    in_cpp, in_python, steps = runner.new_cache(), runner.new_cache(), runner.new_cache()
+    for chunk in (ids[:20], ids[20:21], ids[21:30]):  # a prompt, a step, a verification
+        a = runner.forward(in_cpp, chunk, len(chunk))
+        assert torch.equal(a, runner.forward(in_python, chunk, len(chunk), use_decoder=False))
+    runner.forward(steps, ids[:21])
+    singles = torch.cat([runner.forward(steps, ids[i:i + 1]) for i in range(21, 30)])
+    assert torch.equal(a, singles)
+    hidden = runner.forward_batch([runner.new_cache()], [ids[:5]], [1], return_hidden=True)[1]
+    assert hidden.dtype == torch.bfloat16  # what an EAGLE head reads: the model's dtype
 
 
 @needs_kernels

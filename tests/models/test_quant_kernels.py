@@ -110,9 +110,12 @@ def integer_reference(x: torch.Tensor, w: torch.Tensor, qtype: int, name: str) -
 
 
 @needs_kernels
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16 x", "float32 x"])
 @pytest.mark.parametrize("name", KERNELS)
 @pytest.mark.parametrize("qtype", TYPES, ids=[quant.NAMES[t] for t in TYPES])
-def test_linear_kernel_against_float64(qtype, name):
+def test_linear_kernel_against_float64(qtype, name, x_dtype):
+    """float32 x (a float32 residual stream's norms): the integer kernels quantize it as it is, the bf16 kernel
+    reads it rounded to bf16."""
     import gguf
 
     torch.manual_seed(0)
@@ -121,10 +124,11 @@ def test_linear_kernel_against_float64(qtype, name):
             raw = random_blocks(qtype, rows, cols, seed=2)
             w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).reshape(rows, cols))
             packed = quant.pack(quant.decode(raw, qtype, cols))
-            x = torch.randn(9, cols).bfloat16()
+            x = torch.randn(9, cols).to(x_dtype)
             x[3] *= 1e-3  # a row of another magnitude (each row has its own scales)
             y = module.linear_quant(x, [packed.packed], [qtype])[:, :rows].double()
             if name == "bf16":
+                x = x.bfloat16()
                 exact, magnitude = x.double() @ w.double().T, x.double().abs() @ w.double().abs().T
             else:  # the dequantized weights times the activations as the kernel takes them to integers
                 exact, magnitude = integer_reference(x, w, qtype, name)
@@ -156,16 +160,17 @@ def test_two_digit_activations_are_within_2e_16_of_the_block_max(qtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16 x", "float32 x"])
 @pytest.mark.parametrize("name", KERNELS)
 @pytest.mark.parametrize("qtype", TYPES, ids=[quant.NAMES[t] for t in TYPES])
-def test_rows_are_computed_alike_whatever_the_call(qtype, name):
+def test_rows_are_computed_alike_whatever_the_call(qtype, name, x_dtype):
     """A row's outputs are bitwise the same alone, among 2..64 rows, and inside prefill-sized calls (the kernels'
     few-row and many-row tilings, odd output groups, several threads)."""
     block = quant.LAYOUT[qtype][0]
     rows, cols = 80, 2 * block  # 5 groups of 16 outputs: a 4-group tile and a remainder
     packed = quant.pack(quant.decode(random_blocks(qtype, rows, cols, seed=3), qtype, cols))
     torch.manual_seed(1)
-    x = torch.randn(100, cols).bfloat16()
+    x = torch.randn(100, cols).to(x_dtype)
     x[::7] *= 30  # rows of other magnitudes
     before = torch.get_num_threads()
     with kernel(name) as module:
@@ -266,6 +271,19 @@ def test_the_integer_kernels_run_where_the_cpu_has_vnni():
 
 
 @needs_kernels
+@pytest.mark.parametrize("name", KERNELS)
+def test_float32_rows_that_are_bf16_values_give_the_bf16_rows_bits(name):
+    """A float32 x is quantized from its own values: where those are bf16 values, the result is the bf16 call's."""
+    cols = 256
+    parts = [quant.pack(quant.decode(random_blocks(t, 32, cols, seed=7), t, cols)) for t in (quant.Q4_K, quant.Q8_0)]
+    x = torch.randn(5, cols).bfloat16()
+    with kernel(name) as module:
+        from_bf16 = module.linear_quant(x, [p.packed for p in parts], [p.qtype for p in parts], float_output=True)
+        from_float = module.linear_quant(x.float(), [p.packed for p in parts], [p.qtype for p in parts], float_output=True)
+    assert torch.equal(from_bf16, from_float)
+
+
+@needs_kernels
 def test_bad_input_is_refused():
     module = kernels.cpu_linear()
     packed = quant.pack(quant.decode(random_blocks(quant.Q4_0, 16, 64), quant.Q4_0, 64))
@@ -273,6 +291,8 @@ def test_bad_input_is_refused():
         module.linear_quant(torch.randn(2, 96).bfloat16(), [packed.packed], [quant.Q4_0])  # K mismatch
     with pytest.raises(RuntimeError, match="unsupported quantization type"):
         module.linear_quant(torch.randn(2, 64).bfloat16(), [packed.packed], [13])
+    with pytest.raises(RuntimeError, match="bf16 or float32"):
+        module.linear_quant(torch.randn(2, 64).double(), [packed.packed], [quant.Q4_0])
     with pytest.raises(RuntimeError, match="out of range"):
         module.dequantize_rows(packed.packed, quant.Q4_0, torch.tensor([16]), 64)
     with pytest.raises(ValueError, match="multiple of 256"):

@@ -157,10 +157,12 @@ def test_the_scheme_is_int8x32_and_bad_input_is_refused():
 
 def test_the_avx2_kernels_run_models_only_when_asked(monkeypatch):
     """quant_kernels() hands out the AVX2 module only with QUICKDRAFT_AVX2_KERNELS=1 (and never where AVX-512's
-    loads): by default a float32 model keeps torch's dense weights, its greedy speculative output as before."""
+    loads, whose module takes float32 activations too): by default a float32 model on an AVX2-only CPU keeps
+    torch's dense weights, its greedy speculative output as before."""
+    avx512 = kernels.cpu_linear()
     monkeypatch.delenv("QUICKDRAFT_AVX2_KERNELS", raising=False)
-    assert kernels.quant_kernels(torch.float32) is None
+    assert kernels.quant_kernels(torch.float32) is avx512
     monkeypatch.setenv("QUICKDRAFT_AVX2_KERNELS", "1")
-    expected = None if kernels.cpu_linear() is not None else kernels.cpu_quant_avx2()
+    expected = avx512 if avx512 is not None else kernels.cpu_quant_avx2()
     assert kernels.quant_kernels(torch.float32) is expected
     assert kernels.quant_kernels(torch.float16) is None

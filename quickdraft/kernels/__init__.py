@@ -141,7 +141,8 @@ def cpu_quant_avx2():
 
 def quant_kernels(dtype: torch.dtype):
     """The module whose linear_quant runs GGUF blocks with `dtype` activations on this CPU, or None: cpu_linear()
-    for bf16 or float32 ones (AVX512-BF16 CPUs; its integer kernels quantize either as it is), else, with QUICKDRAFT_AVX2_KERNELS=1, the AVX2 module where AVX-512's does not
+    for bf16 or float32 ones (AVX512-BF16 CPUs; its integer kernels quantize either as it is), else, with
+    QUICKDRAFT_AVX2_KERNELS=1, the AVX2 module where AVX-512's does not
     load (its activations float32 or bf16). Both take the same packed chunks (kernels.quant.pack) and compute
     every row alike. Why AVX2's is opt-in: the rest of that forward is torch's float32 (attention included), whose
     rows are not computed alike whatever the call, and a tiny difference moves an activation's int8 rounding:

@@ -559,8 +559,12 @@ class NativeRunner:
             cache.record(part)
         self.forwards += 1
         hidden = None
+        # A float32 residual stream's final norm hands an output head on GGUF blocks float32 rows, as the other
+        # norms hand their GGUF layers.
+        head_float = x.dtype == torch.float32 and self.dtype != torch.float32 and self.lm_head.reads_float32
         if return_hidden:  # every row normed (a row is normed alike alone or among others), then selected
-            x = hidden = self._norm(x.contiguous(), self.final_norm)  # [num_tokens, hidden]
+            x = self._norm(x.contiguous(), self.final_norm, float_output=head_float)  # [num_tokens, hidden]
+            hidden = x.to(self.dtype)  # what an EAGLE head reads: the model's dtype
         # The final norm and the output head on the selected rows only: the last num_logits[i] of sequence i.
         if len(caches) == 1:
             rows = x[counts[0] - int(num_logits[0]):]
@@ -573,6 +577,6 @@ class NativeRunner:
             logits = torch.zeros((0, self.vocab_size), dtype=torch.float32, device=self.device)
             return (logits, hidden) if return_hidden else logits
         if hidden is None:
-            rows = self._norm(rows.contiguous(), self.final_norm)
+            rows = self._norm(rows.contiguous(), self.final_norm, float_output=head_float)
         logits = self.output_logits(rows)  # [sum(num_logits), vocab]
         return (logits, hidden) if return_hidden else logits

@@ -347,8 +347,9 @@ def test_gguf_runner_keeps_a_float32_residual_stream_and_its_cpp_loop_equals_the
     runner.forward(steps, ids[:21])
     singles = torch.cat([runner.forward(steps, ids[i:i + 1]) for i in range(21, 30)])
     assert torch.equal(a, singles)
-    hidden = runner.forward_batch([runner.new_cache()], [ids[:5]], [1], return_hidden=True)[1]
+    logits, hidden = runner.forward_batch([runner.new_cache()], [ids[:5]], [1], return_hidden=True)
     assert hidden.dtype == torch.bfloat16  # what an EAGLE head reads: the model's dtype
+    assert torch.equal(logits, runner.forward(runner.new_cache(), ids[:5]))  # the same logits either way
 
 
 @needs_kernels

@@ -147,12 +147,11 @@ def quant_kernels(dtype: torch.dtype):
     every row alike. Why AVX2's is opt-in: the rest of that forward is torch's float32 (attention included), whose
     rows are not computed alike whatever the call, and a tiny difference moves an activation's int8 rounding:
     measured on SmolLM2 Q4_1, greedy ngram/suffix speculative output differed from plain output after 7 tokens."""
-    if dtype in (torch.float32, torch.bfloat16) and cpu_linear() is not None:
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if cpu_linear() is not None:
         return cpu_linear()
-    if dtype in (torch.float32, torch.bfloat16) and cpu_linear() is None and \
-            os.environ.get("QUICKDRAFT_AVX2_KERNELS") == "1":
-        return cpu_quant_avx2()
-    return None
+    return cpu_quant_avx2() if os.environ.get("QUICKDRAFT_AVX2_KERNELS") == "1" else None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

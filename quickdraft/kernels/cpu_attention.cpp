@@ -372,13 +372,11 @@ torch::Tensor attention_segments(const torch::Tensor& q, int64_t num_q_heads, co
   return attention_rows(q, num_q_heads, h_kv, segments, window, scale);
 }
 
-// RMSNorm of each row of x [rows, H] (contiguous), bf16 out. weight: [R, H] (row r of x uses weight row
-// r % R). llama_style: round the normalised row to bf16 before multiplying by a bf16 weight (Llama);
-// otherwise multiply by a float32 weight, then round (Gemma, whose weight is stored as 1 + w).
-// x [.., H] bf16, or float32 (a float32 residual stream). The result is bf16 rounded as the model rounds it, or
-// float32 if float_output, computed in float32 without the model's bf16 rounding (llama.cpp's way, for a float32
-// residual stream: a Gemma post-norm joining it, or a norm feeding a GGUF layer's integer kernel). A bf16 x gives
-// the same bits as before float32 inputs existed.
+// RMSNorm of each row of x [rows, H] (contiguous; bf16, or float32 for a float32 residual stream). weight: [R, H]
+// (row r of x uses weight row r % R). llama_style: round the normalised row to bf16 before multiplying by a bf16
+// weight (Llama); otherwise multiply by a float32 weight (Gemma, whose weight is stored as 1 + w). bf16 out, rounded
+// so; or float32 out if float_output, with no bf16 rounding anywhere (llama.cpp's way: a Gemma post-norm joining a
+// float32 stream, or a norm feeding a GGUF layer's integer kernel).
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool llama_style,
                        bool float_output) {
   const bool x_float = x.scalar_type() == at::kFloat;

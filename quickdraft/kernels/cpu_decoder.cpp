@@ -63,7 +63,7 @@ struct Linear {
         types(std::get<5>(spec)) {}
 
   // float_output: float32 y where the weight is GGUF blocks (their kernels sum in float32), for a float32
-  // residual stream; other weights return bf16 (such a runner keeps a bf16 residual stream).
+  // residual stream; other weights read bf16 rows and return bf16 (a float32 stream widens it as it adds).
   torch::Tensor operator()(const torch::Tensor& x, bool float_output = false) const {
     if (parts.empty() && x.scalar_type() != at::kBFloat16) return (*this)(x.to(at::kBFloat16), float_output);
     torch::Tensor y = !parts.empty()    ? linear_quant(x, parts, types, float_output)
@@ -95,8 +95,8 @@ class Decoder {
                             qk_norm.value_or(torch::Tensor()), window, rope});
   }
 
-  // x: [n, hidden] bf16 or float32 (the residual stream's dtype) hidden states of the new tokens (updated in place and returned); keys [layers, Hkv,
-  // cap/16, d/2, 16, 2] and values [layers, Hkv, cap, d] of the sequence; the new tokens sit at start...;
+  // x: [n, hidden] hidden states of the new tokens, bf16 or float32 (the residual stream's dtype; updated in
+  // place and returned); keys [layers, Hkv, cap/16, d/2, 16, 2] and values [layers, Hkv, cap, d] of the sequence; the new tokens sit at start...;
   // cos[r], sin[r]: the rotary rows of those positions for rope kind r.
   torch::Tensor forward(torch::Tensor x, torch::Tensor keys, torch::Tensor values, int64_t start,
                         const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin) const {

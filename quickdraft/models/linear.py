@@ -239,8 +239,8 @@ class BlockLinear(Linear):
         activations' dtype, or float32 if float_output."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if rows.dtype not in (torch.float32, torch.bfloat16) or (self._kernels is None and rows.dtype != torch.float32):
-            rows = rows.to(torch.float32)  # what the kernel reads
+        if rows.dtype not in (torch.float32, torch.bfloat16):
+            rows = rows.to(torch.float32)  # what both kernels read
         y = self._quant.linear_quant(rows.contiguous(), self._packed, self._types, float_output)
         y = self._trim(y).reshape(*shape[:-1], -1)
         y = y if float_output else y.to(self.dtype)

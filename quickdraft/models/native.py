@@ -181,8 +181,8 @@ class NativeRunner:
         self.quantized_weights = quantized
         # The residual stream (the hidden states between layers) of a GGUF model on its own blocks is float32,
         # as llama.cpp keeps it: bf16 sums lose the small updates of later layers to large channels (measured
-        # in benchmarks/RESULTS.md, session 21). The norms still hand the linear layers model-dtype rows, and
-        # attention, the KV cache and the other weights keep the model's dtype.
+        # in benchmarks/RESULTS.md, session 21). The norms hand GGUF layers float32 rows and other layers
+        # model-dtype ones; attention, the KV cache and the other weights keep the model's dtype.
         self.residual_dtype = torch.float32 if quantized is not None else self.dtype
         released: list[nn.Module] = []
 
@@ -361,6 +361,11 @@ class NativeRunner:
             table = self._rope_tables[kind] = (cos[0], sin)
         return table
 
+    @property
+    def _float_residual(self) -> bool:
+        """Whether the residual stream is float32 where the model's dtype is not (a GGUF model on its blocks)."""
+        return self.residual_dtype == torch.float32 and self.dtype != torch.float32
+
     def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of ids [n] in the residual stream's dtype (the quantized table's rows are float32)."""
         if self.embed_quantized is not None:
@@ -428,7 +433,7 @@ class NativeRunner:
         rope_rows = [slice(start, end) if tree is None else tree_positions(tree)[start:].to(self.device)
                      for start, end, tree in zip(starts, ends, trees)]
         norm = self._norm
-        wide = x.dtype == torch.float32 and self.dtype != torch.float32  # a float32 residual stream
+        wide = self._float_residual
         for index, layer in enumerate(self.layers):
             if layer.rope not in ropes:
                 cos, sin = self._rope(layer.rope, max(ends))
@@ -561,7 +566,7 @@ class NativeRunner:
         hidden = None
         # A float32 residual stream's final norm hands an output head on GGUF blocks float32 rows, as the other
         # norms hand their GGUF layers.
-        head_float = x.dtype == torch.float32 and self.dtype != torch.float32 and self.lm_head.reads_float32
+        head_float = self._float_residual and self.lm_head.reads_float32
         if return_hidden:  # every row normed (a row is normed alike alone or among others), then selected
             x = self._norm(x.contiguous(), self.final_norm, float_output=head_float)  # [num_tokens, hidden]
             hidden = x.to(self.dtype)  # what an EAGLE head reads: the model's dtype

@@ -82,6 +82,30 @@ def tiny_qwen2(seed: int = 0):
     return _kernel_sized(Qwen2Config, Qwen2ForCausalLM, seed, layers=2)
 
 
+def gguf_blocks_of(model, types=("Q4_0", "Q5_0", "Q4_1", "Q8_0")):
+    """The model's own weights in GGUF blocks (gguf's quantizer), as models/gguf_weights would read them from a
+    file: each layer's matrices in a different type, the embedding (tied head) in Q8_0."""
+    import gguf
+    import numpy as np
+
+    from quickdraft.kernels import quant
+    from quickdraft.models.gguf_weights import QuantizedWeights
+
+    def blocks(weight, name):
+        qtype = gguf.GGMLQuantizationType[name]
+        raw = gguf.quants.quantize(weight.detach().float().numpy().astype(np.float32), qtype)
+        return quant.pack(quant.decode(raw, int(qtype), weight.shape[1]))
+
+    weights = QuantizedWeights("in-memory")
+    roles = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+    for i, layer in enumerate(model.model.layers):
+        for j, (role, path) in enumerate(roles.items()):
+            weights.layers[(i, role)] = blocks(layer.get_submodule(path).weight, types[(i + j) % len(types)])
+    weights.embedding = blocks(model.model.embed_tokens.weight, "Q8_0")
+    return weights
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The packaged SmolLM2-135M-Instruct as a plain (non-speculative) LLM, float32 on CPU."""

@@ -14,11 +14,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <cmath>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -100,13 +102,71 @@ void scores(int64_t mr, const c10::BFloat16* q, int64_t ldq, const c10::BFloat16
   }
 }
 
+// The same scores from float32 queries and float16 keys (a GGUF model's float32 stream: llama.cpp's f16 key
+// cache, and queries unrounded). The packed layout is the bf16 one: a 64-byte step holds dimensions 2p, 2p + 1 of
+// 16 positions, which widen to two registers of 8 positions x 2 dimensions each; a row's accumulators take one
+// multiply-add a step each, and the two dimensions' lanes are added once at the end (per position: the sum over
+// even dimensions plus the sum over odd ones, in the same order for every row and call).
+template <int MR, int NB>
+inline void score_tile_f16(const float* q, int64_t ldq, const c10::Half* keys, int64_t half_d, int64_t b,
+                           float scale, float* s, int64_t lds, int64_t b0) {
+  __m512 lo[MR][NB], hi[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) lo[m][j] = hi[m][j] = _mm512_setzero_ps();
+  const c10::Half* kp = keys + b * half_d * 32;
+  for (int64_t p = 0; p < half_d; ++p) {
+    __m512 klo[NB], khi[NB];
+    for (int j = 0; j < NB; ++j) {
+      const __m512i raw = _mm512_loadu_si512(kp + j * half_d * 32 + p * 32);
+      klo[j] = _mm512_cvtph_ps(_mm512_castsi512_si256(raw));
+      khi[j] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(raw, 1));
+    }
+    for (int m = 0; m < MR; ++m) {
+      double pair;  // q[2p], q[2p + 1] in every 64-bit lane
+      std::memcpy(&pair, q + m * ldq + 2 * p, sizeof(pair));
+      const __m512 qv = _mm512_castpd_ps(_mm512_set1_pd(pair));
+      for (int j = 0; j < NB; ++j) {
+        lo[m][j] = _mm512_fmadd_ps(klo[j], qv, lo[m][j]);
+        hi[m][j] = _mm512_fmadd_ps(khi[j], qv, hi[m][j]);
+      }
+    }
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) {
+      const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(lo[m][j], even, hi[m][j]),
+                                       _mm512_permutex2var_ps(lo[m][j], odd, hi[m][j]));
+      _mm512_storeu_ps(s + m * lds + 16 * (b + j - b0), _mm512_mul_ps(sum, sc));
+    }
+}
+
+template <int MR>
+void score_rows_f16(const float* q, int64_t ldq, const c10::Half* keys, int64_t half_d, int64_t b0, int64_t b1,
+                    float scale, float* s, int64_t lds) {
+  int64_t b = b0;
+  for (; b + 2 <= b1; b += 2) score_tile_f16<MR, 2>(q, ldq, keys, half_d, b, scale, s, lds, b0);
+  if (b < b1) score_tile_f16<MR, 1>(q, ldq, keys, half_d, b, scale, s, lds, b0);
+}
+
+void scores(int64_t mr, const float* q, int64_t ldq, const c10::Half* keys, int64_t half_d, int64_t b0, int64_t b1,
+            float scale, float* s, int64_t lds) {
+  switch (mr) {
+    case 1: return score_rows_f16<1>(q, ldq, keys, half_d, b0, b1, scale, s, lds);
+    case 2: return score_rows_f16<2>(q, ldq, keys, half_d, b0, b1, scale, s, lds);
+    case 3: return score_rows_f16<3>(q, ldq, keys, half_d, b0, b1, scale, s, lds);
+    default: return score_rows_f16<4>(q, ldq, keys, half_d, b0, b1, scale, s, lds);
+  }
+}
+
 // out[m, c0 .. c0 + 16 NC) = sum over keys j in [lo, hi] of p[m][j] v[j] (p already divided by its total), for
 // MR rows that see the same keys.
 // A token tree's row sees its keys j < base at slot j and j >= base at slot path[j - base] (its ancestors and
 // itself, by position): the same sum over the same values in the same order as the path's tokens in a line.
-template <int MR, int NC>
+template <int MR, int NC, typename Out>
 inline void weighted_values(const float* p, int64_t ldp, const c10::BFloat16* v, int64_t d, int64_t lo, int64_t hi,
-                            int64_t c0, c10::BFloat16* out, int64_t ldo, int64_t base, const int64_t* path) {
+                            int64_t c0, Out* out, int64_t ldo, int64_t base, const int64_t* path) {
   __m512 acc[MR][NC];
   for (int m = 0; m < MR; ++m)
     for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_setzero_ps();
@@ -120,13 +180,18 @@ inline void weighted_values(const float* p, int64_t ldp, const c10::BFloat16* v,
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int c = 0; c < NC; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo + c0 + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[m][c]));
+    for (int c = 0; c < NC; ++c) {
+      if constexpr (std::is_same_v<Out, float>)
+        _mm512_storeu_ps(out + m * ldo + c0 + 16 * c, acc[m][c]);
+      else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * ldo + c0 + 16 * c),
+                            (__m256i)_mm512_cvtneps_pbh(acc[m][c]));
+    }
 }
 
-template <int MR>
+template <int MR, typename Out>
 void weighted_values_rows(const float* p, int64_t ldp, const c10::BFloat16* v, int64_t d, int64_t lo, int64_t hi,
-                          c10::BFloat16* out, int64_t ldo, int64_t base, const int64_t* path) {
+                          Out* out, int64_t ldo, int64_t base, const int64_t* path) {
   int64_t c0 = 0;
   for (; c0 + 64 <= d; c0 += 64) weighted_values<MR, 4>(p, ldp, v, d, lo, hi, c0, out, ldo, base, path);
   switch ((d - c0) / 16) {
@@ -137,8 +202,10 @@ void weighted_values_rows(const float* p, int64_t ldp, const c10::BFloat16* v, i
   }
 }
 
+// out: bf16, or float32 where the attention output feeds a float32 stream's projection.
+template <typename Out>
 void weighted(int64_t mr, const float* p, int64_t ldp, const c10::BFloat16* v, int64_t d, int64_t lo, int64_t hi,
-              c10::BFloat16* out, int64_t ldo, int64_t base, const int64_t* path) {
+              Out* out, int64_t ldo, int64_t base, const int64_t* path) {
   switch (mr) {
     case 1: return weighted_values_rows<1>(p, ldp, v, d, lo, hi, out, ldo, base, path);
     case 2: return weighted_values_rows<2>(p, ldp, v, d, lo, hi, out, ldo, base, path);
@@ -155,7 +222,7 @@ void weighted(int64_t mr, const float* p, int64_t ldp, const c10::BFloat16* v, i
 // start + r) sits at position position[r] and, from tree_base on, sees the slots path[path_at[r] ..
 // path_at[r + 1]) (its ancestors in the tree and itself, by depth) after the prefix [0, tree_base).
 struct Segment {
-  c10::BFloat16* keys;
+  void* keys;  // bf16, or float16 (wide: see `attention`)
   c10::BFloat16* values;
   int64_t cap, start, rows, offset, rope_row;
   int64_t tree_base = 0;
@@ -215,7 +282,8 @@ std::vector<Segment> cache_segments(const char* what, const std::vector<torch::T
                                     const std::vector<torch::Tensor>& values, int64_t layer,
                                     const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t n,
                                     int64_t d, int64_t* h_kv, const std::vector<int64_t>& tree_bases,
-                                    const std::vector<torch::Tensor>& tree_parents, std::vector<TreeRows>& trees) {
+                                    const std::vector<torch::Tensor>& tree_parents, std::vector<TreeRows>& trees,
+                                    bool* wide) {
   const size_t count = starts.size();
   TORCH_CHECK(keys.size() == count && values.size() == count && rows.size() == count && count > 0, what,
               ": one cache pair, start and row count per sequence");
@@ -225,9 +293,11 @@ std::vector<Segment> cache_segments(const char* what, const std::vector<torch::T
   for (size_t s = 0; s < count; ++s) {
     const torch::Tensor& k = keys[s];
     const torch::Tensor& v = values[s];
-    TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 && k.is_contiguous() &&
-                v.is_contiguous() && k.dim() == 6 && v.dim() == 4, what,
-                ": contiguous bf16 caches, keys [layers, Hkv, cap/16, d/2, 16, 2] and values [layers, Hkv, cap, d]");
+    if (s == 0) *wide = k.scalar_type() == at::kHalf;
+    TORCH_CHECK(k.scalar_type() == (*wide ? at::kHalf : at::kBFloat16) && v.scalar_type() == at::kBFloat16 &&
+                k.is_contiguous() && v.is_contiguous() && k.dim() == 6 && v.dim() == 4, what,
+                ": contiguous caches, keys [layers, Hkv, cap/16, d/2, 16, 2] (bf16, or float16 for every sequence) "
+                "and bf16 values [layers, Hkv, cap, d]");
     const int64_t cap = v.size(2);
     if (s == 0) *h_kv = v.size(1);
     TORCH_CHECK(0 <= layer && layer < v.size(0) && k.size(0) == v.size(0) && k.size(1) == *h_kv &&
@@ -236,7 +306,7 @@ std::vector<Segment> cache_segments(const char* what, const std::vector<torch::T
     TORCH_CHECK(starts[s] >= 0 && rows[s] >= 0 && starts[s] + rows[s] <= cap, what, ": sequence ", s,
                 " writes or reads past its cache's capacity");
     const int64_t layer_size = *h_kv * cap * d;
-    segments.push_back(Segment{k.data_ptr<c10::BFloat16>() + layer * layer_size,
+    segments.push_back(Segment{static_cast<char*>(k.data_ptr()) + 2 * layer * layer_size,
                                v.data_ptr<c10::BFloat16>() + layer * layer_size, cap, starts[s], rows[s], offset,
                                starts[s]});
     offset += rows[s];
@@ -258,15 +328,17 @@ std::vector<Segment> cache_segments(const char* what, const std::vector<torch::T
 // path[t] at position base + t: its scores are computed at their slots and moved to their positions, so the
 // softmax and the weighted sum run over the same numbers in the same lanes and order as for the path's tokens
 // in a line (a key's score does not depend on its lane).
-void attend(const c10::BFloat16* q_row, int64_t group, int64_t kv, const c10::BFloat16* keys,
+// Q, K, Out: bf16, bf16, bf16 (a bf16 model), or float, float16, float (a float32 stream; see `attention`).
+template <typename Q, typename K, typename Out>
+void attend(const Q* q_row, int64_t group, int64_t kv, const K* keys,
             const c10::BFloat16* values, int64_t cap, int64_t d, int64_t pos, int64_t window, float s,
-            c10::BFloat16* out_row, std::vector<float>& buffer, int64_t base = 0, const int64_t* path = nullptr) {
+            Out* out_row, std::vector<float>& buffer, int64_t base = 0, const int64_t* path = nullptr) {
   const int64_t half_d = d / 2;
   const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
   const int64_t depth = path ? pos - base + 1 : 0;  // path length
   // Blocks of keys scored: up to the position's block (a line), or to the row's own slot's (a tree).
   const int64_t b0 = lo / 16, b1 = (path ? std::max(pos, path[depth - 1]) : pos) / 16 + 1, width = (b1 - b0) * 16;
-  const c10::BFloat16* kbase = keys + kv * cap * d;
+  const K* kbase = keys + kv * cap * d;
   const c10::BFloat16* vbase = values + kv * cap * d;
   for (int64_t g0 = 0; g0 < group; g0 += 4) {
     const int64_t rows = std::min<int64_t>(4, group - g0);
@@ -306,13 +378,14 @@ void attend(const c10::BFloat16* q_row, int64_t group, int64_t kv, const c10::BF
 }
 
 // The attention of every row of q [n, >=Hq, d] (d contiguous, head stride d) in its segment, [n, Hq d] out.
+template <typename Q, typename K>
 torch::Tensor attention_rows(const torch::Tensor& q, int64_t num_q_heads, int64_t h_kv,
                              const std::vector<Segment>& segments, int64_t window, double scale) {
   const int64_t n = q.size(0), d = q.size(2), group = num_q_heads / h_kv, q_stride = q.stride(0);
-  auto out = torch::empty({n, num_q_heads * d}, q.options());
+  auto out = torch::empty({n, num_q_heads * d}, q.options());  // Out = Q
   const std::vector<int64_t> owner = segment_of_rows(segments, n);
-  const auto* qp = q.data_ptr<c10::BFloat16>();
-  auto* op = out.data_ptr<c10::BFloat16>();
+  const auto* qp = q.data_ptr<Q>();
+  auto* op = out.data_ptr<Q>();
   const float s = static_cast<float>(scale);
   // A task is one token's queries of one kv head: they see the same keys, and their scores share each load.
   at::parallel_for(0, n * h_kv, 1, [&](int64_t begin, int64_t end) {
@@ -322,11 +395,21 @@ torch::Tensor attention_rows(const torch::Tensor& q, int64_t num_q_heads, int64_
       const Segment& seg = segments[owner[i]];
       const int64_t r = i - seg.offset;
       const bool tree = seg.in_tree(r);
-      attend(qp + i * q_stride, group, kv, seg.keys, seg.values, seg.cap, d, seg.position_of(r), window, s,
+      attend(qp + i * q_stride, group, kv, static_cast<const K*>(seg.keys), seg.values, seg.cap, d,
+             seg.position_of(r), window, s,
              op + i * num_q_heads * d, buffer, tree ? seg.tree_base : 0, tree ? seg.path + seg.path_at[r] : nullptr);
     }
   });
   return out;
+}
+
+// attention_rows on the caches' key type: bf16 q and out over bf16 keys, or float32 q and out over float16 keys.
+torch::Tensor attention_rows(const char* what, const torch::Tensor& q, int64_t num_q_heads, int64_t h_kv,
+                             const std::vector<Segment>& segments, int64_t window, double scale, bool wide) {
+  TORCH_CHECK(q.scalar_type() == (wide ? at::kFloat : at::kBFloat16), what,
+              wide ? ": float16 keys take float32 q" : ": bf16 keys take bf16 q");
+  return wide ? attention_rows<float, c10::Half>(q, num_q_heads, h_kv, segments, window, scale)
+              : attention_rows<c10::BFloat16, c10::BFloat16>(q, num_q_heads, h_kv, segments, window, scale);
 }
 
 }  // namespace
@@ -334,10 +417,15 @@ torch::Tensor attention_rows(const torch::Tensor& q, int64_t num_q_heads, int64_
 // q: [n, >=Hq, d] (row stride q_stride elements, head stride d); keys: [Hkv, cap/16, d/2, 16, 2] (packed, see
 // above); values: [Hkv, cap, d]. Query i sits at position start + i and sees keys j in
 // (start + i - window, start + i] (window 0: all).
+// bf16 keys: bf16 q and bf16 out. float16 keys (a GGUF model's float32 residual stream, as llama.cpp keeps its f16
+// key cache): float32 q and float32 out, which the output projection's integer kernel quantizes as it is; the
+// values stay bf16. Why: with one int8 digit an activation, bf16 keys and outputs doubled the KL of Qwen 0.5B's
+// logits (benchmarks/RESULTS.md, session 22).
 torch::Tensor attention(const torch::Tensor& q, int64_t num_q_heads, const torch::Tensor& keys,
                         const torch::Tensor& values, int64_t start, int64_t window, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
-              values.scalar_type() == at::kBFloat16, "attention: bf16 tensors expected");
+  const bool wide = keys.scalar_type() == at::kHalf;
+  TORCH_CHECK((wide || keys.scalar_type() == at::kBFloat16) && values.scalar_type() == at::kBFloat16,
+              "attention: bf16 or float16 keys and bf16 values expected");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "attention: q must be [n, H, d] with d contiguous");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.dim() == 5 && values.dim() == 3,
               "attention: contiguous packed keys [Hkv, cap/16, d/2, 16, 2] and values [Hkv, cap, d]");
@@ -345,9 +433,9 @@ torch::Tensor attention(const torch::Tensor& q, int64_t num_q_heads, const torch
   TORCH_CHECK(d % 16 == 0 && keys.size(2) * 2 == d && keys.size(1) * 16 == cap && values.size(2) == d,
               "attention: head_dim must be a multiple of 16, keys and values of the same capacity");
   TORCH_CHECK(num_q_heads % h_kv == 0 && start >= 0 && start + n <= cap, "attention: bad heads or positions");
-  return attention_rows(q, num_q_heads, h_kv,
-                        {Segment{keys.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>(), cap, start, n, 0, 0}},
-                        window, scale);
+  return attention_rows("attention", q, num_q_heads, h_kv,
+                        {Segment{keys.data_ptr(), values.data_ptr<c10::BFloat16>(), cap, start, n, 0, 0}},
+                        window, scale, wide);
 }
 
 // The attention of one layer for a call over several sequences: q [n, >=Hq, d] holds rows[s] queries of
@@ -360,16 +448,16 @@ torch::Tensor attention_segments(const torch::Tensor& q, int64_t num_q_heads, co
                                  const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t window,
                                  double scale, const std::vector<int64_t>& tree_bases,
                                  const std::vector<torch::Tensor>& tree_parents) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "attention_segments: bf16 q expected");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "attention_segments: q must be [n, H, d] with d contiguous");
   const int64_t d = q.size(2);
   int64_t h_kv = 0;
   std::vector<TreeRows> trees;
+  bool wide = false;
   const std::vector<Segment> segments = cache_segments("attention_segments", keys, values, layer, starts, rows,
-                                                       q.size(0), d, &h_kv, tree_bases, tree_parents, trees);
+                                                       q.size(0), d, &h_kv, tree_bases, tree_parents, trees, &wide);
   TORCH_CHECK(d % 16 == 0 && h_kv > 0 && num_q_heads % h_kv == 0, "attention_segments: bad heads or head_dim");
-  return attention_rows(q, num_q_heads, h_kv, segments, window, scale);
+  return attention_rows("attention_segments", q, num_q_heads, h_kv, segments, window, scale, wide);
 }
 
 // RMSNorm of each row of x [rows, H] (contiguous; bf16, or float32 for a float32 residual stream). weight: [R, H]
@@ -424,30 +512,39 @@ namespace {
 
 // rope_and_cache of every row of qkv [n, (Hq + 2 Hkv) d] in its segment: row i of the call is token
 // i - offset of its segment, at position start + i - offset, with rotary rows rope_row + i - offset.
+// T: bf16 (qkv, cos, sin, q and keys bf16) or float (a float32 stream: qkv, cos, sin and q float32, keys
+// float16, values rounded to bf16; no bf16 rounding after a per-head norm either).
+template <typename T>
 torch::Tensor rope_rows(const torch::Tensor& qkv, int64_t num_q_heads, int64_t h_kv, int64_t d,
                         const torch::Tensor& qk_norm, double eps, const torch::Tensor& cos, const torch::Tensor& sin,
                         const std::vector<Segment>& segments) {
+  constexpr bool wide = std::is_same_v<T, float>;
+  using Key = std::conditional_t<wide, c10::Half, c10::BFloat16>;
   const int64_t n = qkv.size(0), heads = num_q_heads + h_kv, half = d / 2;
   const bool norm = qk_norm.defined() && qk_norm.numel() > 0;
   auto q = torch::empty({n, num_q_heads, d}, qkv.options());
   const std::vector<int64_t> owner = segment_of_rows(segments, n);
-  const auto* src = qkv.data_ptr<c10::BFloat16>();
-  const auto* cp = cos.data_ptr<c10::BFloat16>();
-  const auto* sp = sin.data_ptr<c10::BFloat16>();
+  const auto* src = qkv.data_ptr<T>();
+  const auto* cp = cos.data_ptr<T>();
+  const auto* sp = sin.data_ptr<T>();
   const float* wp = norm ? qk_norm.data_ptr<float>() : nullptr;
-  auto* qp = q.data_ptr<c10::BFloat16>();
+  auto* qp = q.data_ptr<T>();
   at::parallel_for(0, n * (heads + h_kv), 8, [&](int64_t begin, int64_t end) {
     std::vector<float> x(d);
-    std::vector<c10::BFloat16> roped(d);
+    std::vector<T> roped(d);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / (heads + h_kv), h = task % (heads + h_kv);
       const Segment& seg = segments[owner[i]];
       const int64_t p = seg.start + i - seg.offset;  // the token's slot in the cache
       const int64_t rope = seg.position ? seg.position[i - seg.offset] : seg.rope_row + i - seg.offset;
       const int64_t cap = seg.cap;
-      const c10::BFloat16* row = src + i * (heads + h_kv) * d + h * d;
-      if (h >= heads) {  // a value head: copied to the cache as is
-        std::memcpy(seg.values + ((h - heads) * cap + p) * d, row, d * sizeof(c10::BFloat16));
+      const T* row = src + i * (heads + h_kv) * d + h * d;
+      if (h >= heads) {  // a value head: copied to the cache as is (rounded to bf16 from float32)
+        c10::BFloat16* value = seg.values + ((h - heads) * cap + p) * d;
+        if constexpr (wide)
+          for (int64_t c = 0; c < d; ++c) value[c] = c10::BFloat16(row[c]);
+        else
+          std::memcpy(value, row, d * sizeof(c10::BFloat16));
         continue;
       }
       for (int64_t c = 0; c < d; ++c) x[c] = static_cast<float>(row[c]);
@@ -455,21 +552,22 @@ torch::Tensor rope_rows(const torch::Tensor& qkv, int64_t num_q_heads, int64_t h
         float ss = 0.f;
         for (int64_t c = 0; c < d; ++c) ss += x[c] * x[c];
         const float inv = 1.f / std::sqrt(ss / d + static_cast<float>(eps));
-        // Rounded to bf16 after the weight, as the model's norm does before rope.
-        for (int64_t c = 0; c < d; ++c) x[c] = static_cast<float>(c10::BFloat16(x[c] * inv * wp[h * d + c]));
+        // Rounded to bf16 after the weight, as the model's norm does before rope (a float32 stream: not).
+        for (int64_t c = 0; c < d; ++c)
+          x[c] = wide ? x[c] * inv * wp[h * d + c] : static_cast<float>(c10::BFloat16(x[c] * inv * wp[h * d + c]));
       }
-      const c10::BFloat16* cr = cp + rope * d;  // the rotary rows of its position
-      const c10::BFloat16* sr = sp + rope * d;
-      c10::BFloat16* dst = h < num_q_heads ? qp + (i * num_q_heads + h) * d : roped.data();
+      const T* cr = cp + rope * d;  // the rotary rows of its position
+      const T* sr = sp + rope * d;
+      T* dst = h < num_q_heads ? qp + (i * num_q_heads + h) * d : roped.data();
       for (int64_t c = 0; c < d; ++c) {
         const float rotated = x[c < half ? c + half : c - half];
-        dst[c] = c10::BFloat16(x[c] * static_cast<float>(cr[c]) + rotated * static_cast<float>(sr[c]));
+        dst[c] = T(x[c] * static_cast<float>(cr[c]) + rotated * static_cast<float>(sr[c]));
       }
       if (h >= num_q_heads) {  // a key: element c of position p at ((p / 16) * d/2 + c / 2) * 32 + (p % 16) * 2 + c % 2
-        c10::BFloat16* block = seg.keys + (h - num_q_heads) * cap * d + (p / 16) * half * 32 + (p % 16) * 2;
+        Key* block = static_cast<Key*>(seg.keys) + (h - num_q_heads) * cap * d + (p / 16) * half * 32 + (p % 16) * 2;
         for (int64_t c = 0; c < d; c += 2) {
-          block[(c / 2) * 32] = roped[c];
-          block[(c / 2) * 32 + 1] = roped[c + 1];
+          block[(c / 2) * 32] = Key(static_cast<float>(roped[c]));
+          block[(c / 2) * 32 + 1] = Key(static_cast<float>(roped[c + 1]));
         }
       }
     }
@@ -477,14 +575,17 @@ torch::Tensor rope_rows(const torch::Tensor& qkv, int64_t num_q_heads, int64_t h
   return q;
 }
 
+// wide: float16 keys, which take float32 qkv, cos and sin; else all bf16.
 void check_rope_inputs(const char* what, const torch::Tensor& qkv, const torch::Tensor& qk_norm,
                        const torch::Tensor& cos, const torch::Tensor& sin, int64_t num_q_heads, int64_t h_kv,
-                       int64_t d) {
-  TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == at::kBFloat16 && qkv.dim() == 2, what,
-              ": contiguous bf16 qkv [n, (Hq + 2 Hkv) d]");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kBFloat16 &&
-              sin.scalar_type() == at::kBFloat16 && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == d,
-              what, ": contiguous bf16 cos/sin [rows, d]");
+                       int64_t d, bool wide) {
+  const auto dtype = wide ? at::kFloat : at::kBFloat16;
+  const char* name = wide ? "float32 (the key cache is float16)" : "bf16 (the key cache is bf16)";
+  TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == dtype && qkv.dim() == 2, what,
+              ": contiguous qkv [n, (Hq + 2 Hkv) d], ", name);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == dtype &&
+              sin.scalar_type() == dtype && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == d,
+              what, ": contiguous cos/sin [rows, d], ", name);
   TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * h_kv) * d && d % 2 == 0, what, ": bad shapes");
   TORCH_CHECK(!(qk_norm.defined() && qk_norm.numel() > 0) ||
               (qk_norm.scalar_type() == at::kFloat && qk_norm.is_contiguous() &&
@@ -501,15 +602,18 @@ void check_rope_inputs(const char* what, const torch::Tensor& qkv, const torch::
 torch::Tensor rope_and_cache(const torch::Tensor& qkv, int64_t num_q_heads, const torch::Tensor& qk_norm,
                              double eps, const torch::Tensor& cos, const torch::Tensor& sin,
                              torch::Tensor& keys, torch::Tensor& values, int64_t start) {
+  const bool wide = keys.scalar_type() == at::kHalf;
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.dim() == 5 && values.dim() == 3 &&
-              keys.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kBFloat16,
-              "rope_and_cache: contiguous caches, keys packed [Hkv, cap/16, d/2, 16, 2], values [Hkv, cap, d]");
+              (wide || keys.scalar_type() == at::kBFloat16) && values.scalar_type() == at::kBFloat16,
+              "rope_and_cache: contiguous caches, keys packed [Hkv, cap/16, d/2, 16, 2] (bf16 or float16), bf16 "
+              "values [Hkv, cap, d]");
   const int64_t n = qkv.size(0), h_kv = values.size(0), cap = values.size(1), d = values.size(2);
-  check_rope_inputs("rope_and_cache", qkv, qk_norm, cos, sin, num_q_heads, h_kv, d);
+  check_rope_inputs("rope_and_cache", qkv, qk_norm, cos, sin, num_q_heads, h_kv, d, wide);
   TORCH_CHECK(start >= 0 && start + n <= cap && keys.size(0) == h_kv && keys.size(1) * 16 == cap &&
               keys.size(2) * 2 == d && cos.size(0) >= n, "rope_and_cache: bad shapes");
-  return rope_rows(qkv, num_q_heads, h_kv, d, qk_norm, eps, cos, sin,
-                   {Segment{keys.data_ptr<c10::BFloat16>(), values.data_ptr<c10::BFloat16>(), cap, start, n, 0, 0}});
+  const std::vector<Segment> segments{Segment{keys.data_ptr(), values.data_ptr<c10::BFloat16>(), cap, start, n, 0, 0}};
+  return wide ? rope_rows<float>(qkv, num_q_heads, h_kv, d, qk_norm, eps, cos, sin, segments)
+              : rope_rows<c10::BFloat16>(qkv, num_q_heads, h_kv, d, qk_norm, eps, cos, sin, segments);
 }
 
 // rope_and_cache of one layer for a call over several sequences: qkv holds rows[s] tokens of sequence s after
@@ -527,13 +631,15 @@ torch::Tensor rope_and_cache_segments(const torch::Tensor& qkv, int64_t num_q_he
   const int64_t d = values[0].size(3);
   int64_t h_kv = 0;
   std::vector<TreeRows> trees;
+  bool wide = false;
   const std::vector<Segment> segments = cache_segments("rope_and_cache_segments", keys, values, layer, starts, rows,
-                                                       qkv.size(0), d, &h_kv, tree_bases, tree_parents, trees);
-  check_rope_inputs("rope_and_cache_segments", qkv, qk_norm, cos, sin, num_q_heads, h_kv, d);
+                                                       qkv.size(0), d, &h_kv, tree_bases, tree_parents, trees, &wide);
+  check_rope_inputs("rope_and_cache_segments", qkv, qk_norm, cos, sin, num_q_heads, h_kv, d, wide);
   for (const Segment& seg : segments)
     TORCH_CHECK(seg.rope_row + seg.rows <= cos.size(0), "rope_and_cache_segments: cos/sin tables end at ",
                 cos.size(0), ", before position ", seg.rope_row + seg.rows);
-  return rope_rows(qkv, num_q_heads, h_kv, d, qk_norm, eps, cos, sin, segments);
+  return wide ? rope_rows<float>(qkv, num_q_heads, h_kv, d, qk_norm, eps, cos, sin, segments)
+              : rope_rows<c10::BFloat16>(qkv, num_q_heads, h_kv, d, qk_norm, eps, cos, sin, segments);
 }
 
 // act(gate) * up for gate_up [n, 2F] (gate first): SiLU (Llama) or tanh-approximated GELU (Gemma), 16 lanes

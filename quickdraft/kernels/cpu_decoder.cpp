@@ -152,11 +152,14 @@ class Decoder {
     const bool llama_norm = !gemma_;
     // A float32 x is a float32 residual stream (GGUF blocks, as llama.cpp keeps it): the output and down
     // projections add to it unrounded, and the norms hand a layer on GGUF blocks float32 rows (its kernel
-    // quantizes them as they are), other layers bf16 ones.
+    // quantizes them as they are), other layers bf16 ones. Its caches hold float16 keys: q, k and v leave their
+    // projection in float32, and attention hands the output projection float32 rows (see cpu_attention.cpp).
     const bool wide = x.scalar_type() == at::kFloat;
     for (size_t index = 0; index < layers_.size(); ++index) {
       const Layer& layer = layers_[index];
-      torch::Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm, eps_, llama_norm, wide && !layer.qkv.parts.empty()));
+      torch::Tensor qkv = layer.qkv(rms_norm(x, layer.input_norm, eps_, llama_norm, wide && !layer.qkv.parts.empty()),
+                                    wide);
+      if (wide && qkv.scalar_type() != at::kFloat) qkv = qkv.to(at::kFloat);  // a dense q|k|v: bf16 out
       torch::Tensor attn = layer.o(attend(index, layer, qkv), wide);
       if (layer.post_attn_norm.defined()) attn = rms_norm(attn, layer.post_attn_norm, eps_, false, wide);
       x.add_(attn);  // the residual sum, rounded to x's dtype as the model's `x + attn` is

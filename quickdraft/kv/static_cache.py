@@ -18,7 +18,7 @@ from quickdraft.kv.pool import BLOCK_SIZE, KVPool, PoolGrantedCache, round_up, r
 class StaticSequenceCache(SequenceCache, PoolGrantedCache):
     """A native runner's keys and values for one sequence in preallocated tensors [layers, kv_heads, capacity,
     head_dim] (keys packed [layers, kv_heads, capacity/16, head_dim/2, 16, 2] where the CPU kernels read
-    them), position i at index i. Rolling back only shortens the token list (SequenceCache.rollback): later
+    them, in the runner's key_dtype: float16 beside a float32 residual stream), position i at index i. Rolling back only shortens the token list (SequenceCache.rollback): later
     writes overwrite the rejected positions.
 
     Growth is block-granular: the capacity is a multiple of 16 positions and grows by max(64 positions, 25%),
@@ -75,7 +75,7 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
         values = torch.empty(shape, dtype=r.dtype, device=r.device)
         if r.packed_keys:  # each head's keys packed like a weight (see kernels/cpu_attention.cpp)
             keys = torch.empty((r.num_layers, r.num_kv_heads, capacity // 16, r.head_dim // 2, 16, 2),
-                               dtype=r.dtype, device=r.device)
+                               dtype=r.key_dtype, device=r.device)
         else:
             keys = torch.empty(shape, dtype=r.dtype, device=r.device)
         if self.keys is not None:

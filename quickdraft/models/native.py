@@ -227,7 +227,7 @@ class NativeRunner:
             self.embed = None
         self.vocab_size = self.lm_head.out_features
         self._rotary = inner.rotary_emb
-        self._rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_tables: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def _rope_key(family: FamilySettings, config, attn: nn.Module, index: int) -> str:
@@ -341,24 +341,33 @@ class NativeRunner:
     def new_cache(self) -> StaticSequenceCache:
         return StaticSequenceCache(self)
 
+    @property
+    def key_dtype(self) -> torch.dtype:
+        """The key cache's dtype: float16 for a float32 residual stream on the kernels (llama.cpp's f16 keys,
+        read by float32 queries), else the model's (see kernels/cpu_attention.cpp)."""
+        return torch.float16 if self._float_residual and self.packed_keys else self.dtype
+
     def _rope(self, kind: str, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        table = self._rope_tables.get(kind)
+        """cos and sin [>= end, head_dim] of rope kind `kind` (sin's first half negated), in the dtype the
+        kernels' rope reads: float32 beside float16 keys, else the model's."""
+        dtype = torch.float32 if self.key_dtype == torch.float16 else self.dtype
+        table = self._rope_tables.get((kind, dtype))
         if table is None or table[0].shape[0] < end:
             size = max(end, 2 * (table[0].shape[0] if table else 0), 512)
             if kind == NO_ROPE:  # x * 1 + rotate(x) * 0 == x exactly: no rotation, in every loop
-                table = self._rope_tables[kind] = (
-                    torch.ones(size, self.head_dim, dtype=self.dtype, device=self.device),
-                    torch.zeros(size, self.head_dim, dtype=self.dtype, device=self.device))
+                table = self._rope_tables[(kind, dtype)] = (
+                    torch.ones(size, self.head_dim, dtype=dtype, device=self.device),
+                    torch.zeros(size, self.head_dim, dtype=dtype, device=self.device))
                 return table
             positions = torch.arange(size, device=self.device)[None]
-            probe = torch.empty(0, dtype=self.dtype, device=self.device)
+            probe = torch.empty(0, dtype=dtype, device=self.device)
             if self.family.rope_by_layer_type:
                 cos, sin = self._rotary(probe, positions, kind)
             else:
                 cos, sin = self._rotary(probe, positions)
             sin = sin[0].clone()
             sin[:, : sin.shape[1] // 2].neg_()
-            table = self._rope_tables[kind] = (cos[0], sin)
+            table = self._rope_tables[(kind, dtype)] = (cos[0], sin)
         return table
 
     @property
@@ -443,7 +452,10 @@ class NativeRunner:
                 ropes[layer.rope] = (cos, sin)  # the kernels take whole tables, indexed by position
             cos_rows, sin_rows = ropes[layer.rope]
 
-            qkv = layer.qkv(norm(x, layer.input_norm, float_output=wide and layer.qkv.reads_float32))
+            qkv = layer.qkv(norm(x, layer.input_norm, float_output=wide and layer.qkv.reads_float32),
+                            float_output=wide)
+            # float16 keys take q, k, v in float32 (see key_dtype); the model's dtype otherwise
+            qkv = qkv.float() if self.key_dtype == torch.float16 else qkv.to(self.dtype)
             if fast is not None:
                 q = fast.rope_and_cache_segments(qkv, h_q, self._no_tensor if layer.qk_norm is None else layer.qk_norm,
                                                  self.eps, cos_rows, sin_rows, keys_list, values_list, index, starts,
@@ -466,7 +478,7 @@ class NativeRunner:
                     parts.append(self._attention(qk[lo:hi, :h_q], keys[:, :end], values[:, :end], start,
                                                  layer.sliding_window, masks[i], trees[i]))
                 attn = parts[0] if len(parts) == 1 else torch.cat(parts)  # [num_tokens, Hq * head_dim]
-            attn = layer.o(attn, float_output=wide)
+            attn = layer.o(attn if layer.o.reads_float32 else attn.to(self.dtype), float_output=wide)
             if layer.post_attn_norm is not None:
                 attn = norm(attn, layer.post_attn_norm, float_output=wide)
             x = x + attn

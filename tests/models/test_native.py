@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_gemma3, tiny_gemma16, tiny_llama, tiny_llama16, tiny_qwen2
+from conftest import gguf_blocks_of, tiny_gemma3, tiny_gemma16, tiny_llama, tiny_llama16, tiny_qwen2
 from quickdraft import LLM, SamplingParams
 from quickdraft.cache import SequenceCache
 from quickdraft.errors import QuickdraftError
@@ -175,6 +175,34 @@ def test_kernel_attention_matches_a_float64_reference(window):
 
 
 @needs_kernels
+@pytest.mark.parametrize("window", [0, 5])
+def test_kernel_attention_of_float16_keys_takes_float32_queries(window):
+    """A float32 residual stream's caches hold float16 keys (llama.cpp's f16 cache): float32 queries score them
+    unrounded, the output is float32, close to a float64 reference, and a row is the same alone or in a call."""
+    k = cpu_linear()
+    torch.manual_seed(0)
+    h_q, h_kv, d, cap, start, n = 6, 2, 32, 48, 20, 7
+    keys = (torch.randn(h_kv, cap, d) * 3).half()
+    values = torch.randn(h_kv, cap, d, dtype=torch.bfloat16)
+    q = torch.randn(n, h_q, d)
+    packed = torch.stack([head.view(cap // 16, 16, d // 2, 2).transpose(1, 2).contiguous() for head in keys])
+    out = k.attention(q, h_q, packed, values, start, window, 0.2)
+    assert out.dtype == torch.float32
+    for i in range(n):
+        pos = start + i
+        lo = max(0, pos - window + 1) if window else 0
+        for h in range(h_q):
+            kv = h // (h_q // h_kv)
+            p = (q[i, h].double() @ keys[kv, lo:pos + 1].double().T * 0.2).softmax(-1)
+            expected = p @ values[kv, lo:pos + 1].double()
+            torch.testing.assert_close(out[i, h * d:(h + 1) * d].double(), expected, atol=1e-5, rtol=1e-5)
+        single = k.attention(q[i:i + 1], h_q, packed, values, pos, window, 0.2)
+        assert torch.equal(single[0], out[i])
+    with pytest.raises(RuntimeError, match="float16 keys take float32 q"):
+        k.attention(q.to(torch.bfloat16), h_q, packed, values, start, window, 0.2)
+
+
+@needs_kernels
 def test_kernel_rms_norm_rounds_like_llama_and_gemma():
     k = cpu_linear()
     x = torch.randn(5, 64, dtype=torch.bfloat16)
@@ -257,30 +285,6 @@ def test_static_cache_keeps_its_contents_when_it_grows(dtype):
 
 # --- quantized weights (GGUF blocks) on the native runner -------------------------------------------------------
 
-def _quantized_weights(model, types=("Q4_0", "Q5_0", "Q4_1", "Q8_0")):
-    """The model's own weights in GGUF blocks (gguf's quantizer), as models/gguf_weights would read them from a
-    file: each layer's matrices in a different type, the embedding (tied head) in Q8_0."""
-    import gguf
-    import numpy as np
-
-    from quickdraft.kernels import quant
-    from quickdraft.models.gguf_weights import QuantizedWeights
-
-    def blocks(weight, name):
-        qtype = gguf.GGMLQuantizationType[name]
-        raw = gguf.quants.quantize(weight.detach().float().numpy().astype(np.float32), qtype)
-        return quant.pack(quant.decode(raw, int(qtype), weight.shape[1]))
-
-    weights = QuantizedWeights("in-memory")
-    roles = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-             "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-    for i, layer in enumerate(model.model.layers):
-        for j, (role, path) in enumerate(roles.items()):
-            weights.layers[(i, role)] = blocks(layer.get_submodule(path).weight, types[(i + j) % len(types)])
-    weights.embedding = blocks(model.model.embed_tokens.weight, "Q8_0")
-    return weights
-
-
 def _dequantized_copy(model, weights):
     """A float32 model whose weights are exactly the blocks' values (the reference for the quantized runner)."""
     import copy
@@ -303,7 +307,7 @@ def _dequantized_copy(model, weights):
 @pytest.mark.parametrize("name", ["llama16", "gemma16"])
 def test_quantized_runner_runs_the_blocks_and_releases_the_dense_copies(name):
     model = BUILDS[name](seed=0).to(torch.bfloat16)
-    weights = _quantized_weights(model)
+    weights = gguf_blocks_of(model)
     reference = _dequantized_copy(model, weights)
     runner = NativeRunner(model, quantized=weights)
     assert runner.quantized_weights is weights and runner.embed is None
@@ -336,7 +340,7 @@ def test_gguf_runner_keeps_a_float32_residual_stream_and_its_cpp_loop_equals_the
     """A runner on GGUF blocks keeps its hidden states in float32 (llama.cpp's way; bf16 as before on request):
     the C++ loop and the Python loop give the same bits either way, verification rows those of single steps."""
     model = BUILDS[name](seed=0).to(torch.bfloat16)
-    runner = NativeRunner(model, quantized=_quantized_weights(model))
+    runner = NativeRunner(model, quantized=gguf_blocks_of(model))
     assert runner.residual_dtype == torch.float32 and runner._native_decoder() is not None
     runner.residual_dtype = residual
     ids = torch.randint(0, _vocab(model), (30,), generator=torch.Generator().manual_seed(1))
@@ -344,6 +348,11 @@ def test_gguf_runner_keeps_a_float32_residual_stream_and_its_cpp_loop_equals_the
     for chunk in (ids[:20], ids[20:21], ids[21:30]):  # a prompt, a step, a verification
         a = runner.forward(in_cpp, chunk, len(chunk))
         assert torch.equal(a, runner.forward(in_python, chunk, len(chunk), use_decoder=False))
+        assert torch.equal(*(cache.keys.transpose(3, 4).flatten(2, 3)[:, :, :len(cache)]
+                             for cache in (in_cpp, in_python)))  # the keys written, by position
+    # a float32 stream keeps float16 keys (llama.cpp's cache), a bf16 one bf16 keys; values bf16 either way
+    assert in_cpp.keys.dtype == (torch.float16 if residual == torch.float32 else torch.bfloat16)
+    assert in_cpp.values.dtype == torch.bfloat16
     runner.forward(steps, ids[:21])
     singles = torch.cat([runner.forward(steps, ids[i:i + 1]) for i in range(21, 30)])
     assert torch.equal(a, singles)
@@ -358,7 +367,7 @@ def test_quantized_target_greedy_speculative_equals_plain_on_tiny_models(method,
     import quickdraft.api
 
     model = tiny_llama16(seed=0).to(torch.bfloat16)
-    weights = _quantized_weights(model)
+    weights = gguf_blocks_of(model)
     # LLM builds its target as it does for a GGUF file kept quantized
     monkeypatch.setattr(quickdraft.api, "make_runner", lambda m, name, kind, quantized=None:
                         make_runner(m, name, kind, weights if m is model else quantized))
@@ -394,7 +403,7 @@ def test_q4_self_draft_is_4_bit_and_exact():
 def test_quantized_weights_cache_round_trip(tmp_path):
     from quickdraft.models import gguf_weights
 
-    weights = _quantized_weights(tiny_gemma16())
+    weights = gguf_blocks_of(tiny_gemma16())
     weights.skipped = {"blk.0.attn_q.weight": "IQ2_XS"}
     path = tmp_path / "quantized-v1.safetensors"
     gguf_weights.save(weights, path)
@@ -415,7 +424,7 @@ def _head_views():
         bf16 = NativeRunner(tiny_llama16(seed=0).to(torch.bfloat16))
         gemma = tiny_gemma16(seed=0).to(torch.bfloat16)
         views.update({"bf16": bf16, "int8": bf16.quantized("int8"), "q4": bf16.quantized("q4"),
-                      "gguf": NativeRunner(gemma, quantized=_quantized_weights(gemma))})
+                      "gguf": NativeRunner(gemma, quantized=gguf_blocks_of(gemma))})
     return views
 
 

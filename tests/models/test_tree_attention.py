@@ -327,7 +327,7 @@ class _PackedKeysRunner:
     """What StaticSequenceCache reads of a runner, with the CPU kernels' packed key layout."""
 
     num_layers, num_kv_heads, head_dim, max_len = 2, 2, 8, 64
-    dtype, device, packed_keys = torch.float32, torch.device("cpu"), True
+    dtype, key_dtype, device, packed_keys = torch.float32, torch.float32, torch.device("cpu"), True
 
 
 def test_compact_moves_packed_keys_across_blocks():

@@ -4,13 +4,14 @@ path's tokens fed in a line (models.base.TreeAttention; kernels/cpu_attention.cp
 import pytest
 import torch
 
-from conftest import tiny_gemma16, tiny_llama16, tiny_qwen2
+from conftest import gguf_blocks_of, tiny_gemma16, tiny_llama16, tiny_qwen2
 from quickdraft.kernels import cpu_linear
 from quickdraft.models.base import TreeAttention
 from quickdraft.models.native import NativeRunner
 from quickdraft.token_tree import TokenTree
 
-BUILDS = {"llama16": tiny_llama16, "gemma16": tiny_gemma16, "qwen2": tiny_qwen2}
+BUILDS = {"llama16": tiny_llama16, "gemma16": tiny_gemma16, "qwen2": tiny_qwen2,
+          "gemma16-gguf": tiny_gemma16}  # on GGUF blocks: a float32 stream, float16 keys
 needs_kernels = pytest.mark.skipif(cpu_linear() is None, reason="the CPU kernels need AVX512-BF16")
 
 # (parents of the nodes, -1: a child of the root): a chain, a star, a wide-and-deep tree.
@@ -23,7 +24,8 @@ SHAPES = {
 
 def _runner(name):
     model = BUILDS[name]().to(torch.bfloat16)
-    return NativeRunner(model), model.config.vocab_size
+    weights = gguf_blocks_of(model) if name.endswith("-gguf") else None
+    return NativeRunner(model, quantized=weights), model.config.vocab_size
 
 
 def _line(runner, prefix, path_tokens):

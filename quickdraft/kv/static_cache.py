@@ -18,8 +18,8 @@ from quickdraft.kv.pool import BLOCK_SIZE, KVPool, PoolGrantedCache, round_up, r
 class StaticSequenceCache(SequenceCache, PoolGrantedCache):
     """A native runner's keys and values for one sequence in preallocated tensors [layers, kv_heads, capacity,
     head_dim] (keys packed [layers, kv_heads, capacity/16, head_dim/2, 16, 2] where the CPU kernels read
-    them, in the runner's key_dtype: float16 beside a float32 residual stream), position i at index i. Rolling back only shortens the token list (SequenceCache.rollback): later
-    writes overwrite the rejected positions.
+    them, in the runner's key_dtype: float16 beside a float32 residual stream), position i at index i. Rolling
+    back only shortens the token list (SequenceCache.rollback): later writes overwrite the rejected positions.
 
     Growth is block-granular: the capacity is a multiple of 16 positions and grows by max(64 positions, 25%),
     capped at the runner's max_len, keeping the contents. With a KV pool attached (the scheduler's memory

@@ -1,5 +1,5 @@
 // Decoding-step attention, RMSNorm, rotary embedding and gated activation for x86 CPUs with AVX512-BF16,
-// bf16 in and out, float32 inside.
+// bf16 in and out, float32 inside (a GGUF model's float32 stream: float16 keys, float32 q/k/v in and attention out).
 //
 // Why: a decoding step attends a handful of queries to the cache; torch's batched matmuls cost tens of
 // microseconds each in setup there, twice per layer. Here each token's queries are computed on their own,
@@ -565,9 +565,11 @@ torch::Tensor rope_rows(const torch::Tensor& qkv, int64_t num_q_heads, int64_t h
       }
       if (h >= num_q_heads) {  // a key: element c of position p at ((p / 16) * d/2 + c / 2) * 32 + (p % 16) * 2 + c % 2
         Key* block = static_cast<Key*>(seg.keys) + (h - num_q_heads) * cap * d + (p / 16) * half * 32 + (p % 16) * 2;
+        // float16 saturates rather than overflow to inf (a key past 65504 would make its scores inf or NaN)
+        auto key = [&](float v) { return Key(wide ? std::clamp(v, -65504.f, 65504.f) : v); };
         for (int64_t c = 0; c < d; c += 2) {
-          block[(c / 2) * 32] = Key(static_cast<float>(roped[c]));
-          block[(c / 2) * 32 + 1] = Key(static_cast<float>(roped[c + 1]));
+          block[(c / 2) * 32] = key(static_cast<float>(roped[c]));
+          block[(c / 2) * 32 + 1] = key(static_cast<float>(roped[c + 1]));
         }
       }
     }

@@ -203,6 +203,27 @@ def test_kernel_attention_of_float16_keys_takes_float32_queries(window):
 
 
 @needs_kernels
+def test_rope_and_cache_writes_float16_keys_from_float32_rows_saturating():
+    """Beside a float32 stream the keys are stored float16 (rounded to nearest, past 65504 saturated rather than
+    inf), values bf16, and the roped queries come back float32; bf16 rows into a float16 cache are refused."""
+    k = cpu_linear()
+    h_q, h_kv, d, cap, n = 2, 1, 32, 16, 3
+    qkv = torch.randn(n, (h_q + 2 * h_kv) * d)
+    qkv[1, h_q * d + 3] = 1e6  # a key beyond float16's range
+    cos, sin = torch.ones(n, d), torch.zeros(n, d)  # no rotation: the rows are stored as they are
+    keys = torch.zeros(h_kv, cap // 16, d // 2, 16, 2, dtype=torch.float16)
+    values = torch.zeros(h_kv, cap, d, dtype=torch.bfloat16)
+    q = k.rope_and_cache(qkv, h_q, torch.empty(0), 1e-6, cos, sin, keys, values, 0)
+    assert q.dtype == torch.float32 and torch.equal(q.flatten(1), qkv[:, :h_q * d])
+    stored = keys[0].transpose(1, 2).reshape(cap, d)[:n]  # position p, dimension c
+    expected = qkv[:, h_q * d:(h_q + 1) * d].clamp(-65504, 65504).half()
+    assert torch.equal(stored, expected) and stored[1, 3] == 65504
+    assert torch.equal(values[0, :n], qkv[:, (h_q + 1) * d:].to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="float32"):
+        k.rope_and_cache(qkv.to(torch.bfloat16), h_q, torch.empty(0), 1e-6, cos, sin, keys, values, 0)
+
+
+@needs_kernels
 def test_kernel_rms_norm_rounds_like_llama_and_gemma():
     k = cpu_linear()
     x = torch.randn(5, 64, dtype=torch.bfloat16)

@@ -100,6 +100,17 @@ def _release(modules: list[nn.Module]) -> None:
         module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
 
 
+def _widen_packed(parts: list[QuantizedWeight | None], modules: tuple[nn.Linear, ...], dtype: torch.dtype) -> None:
+    """A fused group (q|k|v, gate|up) runs dense when some part has no quantized kernel (a Q5_K_M file of a small
+    model keeps q and k in Q5_1 beside a Q8_0 v): the direct GGUF loader left the packed parts' layers on meta, so
+    those take their blocks' exact values, in the model's dtype, as the transformers path would have."""
+    for part, module in zip(parts, modules):
+        if part is not None and module.weight.device.type == "meta":
+            weight = kernels.quant_kernels(dtype).dequantize_rows(part.packed, part.qtype, torch.arange(part.rows),
+                                                                  part.cols)
+            module.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+
+
 # --- the runner -----------------------------------------------------------------------------------------------
 
 def _kernel_trees(trees: list[TreeAttention | None] | None) -> tuple[list[int], list[torch.Tensor]]:
@@ -191,6 +202,7 @@ class NativeRunner:
             if blocks_fit(parts, modules):
                 released.extend(modules)
                 return BlockLinear(parts, fused_bias(modules), dtype=self.dtype)
+            _widen_packed(parts, modules, self.dtype)
             return dense_linear(modules)
 
         self.layers: list[Layer] = []

@@ -29,9 +29,10 @@ def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(model, path, arch: str, qtype) -> None:
-    """`model` (a tiny transformers causal LM) as a GGUF file: its matrices in `qtype`, the rest float32, and
-    metadata arrays (a fake vocabulary) for the header parser to skip."""
+def _write_gguf(model, path, arch: str, qtype, dense: tuple[str, ...] = ()) -> None:
+    """`model` (a tiny transformers causal LM) as a GGUF file: its matrices in `qtype` (those whose name holds one
+    of `dense` in F16: a type without a quantized kernel), the rest float32, and metadata arrays (a fake
+    vocabulary) for the header parser to skip."""
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
     c = model.config
@@ -55,7 +56,9 @@ def _write_gguf(model, path, arch: str, qtype) -> None:
         name, w = names[hf_name], tensor.detach().float().numpy()
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             w = _llama_permute(w, c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads)
-        if w.ndim == 2:
+        if w.ndim == 2 and any(part in name for part in dense):
+            writer.add_tensor(name, w.astype(np.float16))
+        elif w.ndim == 2:
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, w)
@@ -167,6 +170,32 @@ def test_direct_load_equals_the_transformers_path(tiny_gguf, tmp_path, monkeypat
     expected_logits = reference.forward(reference.new_cache(), ids, len(ids))
     for runner in runners:
         assert torch.equal(runner.forward(runner.new_cache(), ids, len(ids)), expected_logits)
+
+
+def test_fused_layers_of_mixed_types_run_dense_as_through_transformers(tmp_path, monkeypatch):
+    """A fused group whose parts are not all of kernel types (a Q5_K_M file's Q5_1 q beside its Q8_0 v) runs
+    dense: the direct load's runner, whose packed parts sat on meta, gives the transformers path's logits
+    bitwise, and the other layers stay on their blocks."""
+    _kernels_or_skip()
+    from quickdraft.models.linear import BlockLinear, DenseLinear
+    from quickdraft.models.native import NativeRunner
+
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "mixed.gguf"
+    _write_gguf(_tiny("qwen2"), path, "qwen2", gguf.GGMLQuantizationType.Q8_0, dense=("attn_q", "ffn_up"))
+    source = loader.resolve(str(path))
+    bf16, cpu = torch.bfloat16, torch.device("cpu")
+    model, _, packed = loader.load_for_runner(source, bf16, cpu)
+    assert packed.get(0, "k") is not None and packed.get(0, "q") is None  # k, v packed (on meta), q dense
+    runner = NativeRunner(model, quantized=packed)
+    for layer in runner.layers:
+        assert isinstance(layer.qkv, DenseLinear) and isinstance(layer.gate_up, DenseLinear)
+        assert isinstance(layer.o, BlockLinear) and isinstance(layer.down, BlockLinear)
+    reference_model, _ = loader.load(source, bf16, cpu)
+    reference = NativeRunner(reference_model, quantized=loader.quantized_weights(source, reference_model, bf16, cpu))
+    ids = torch.tensor([3, 17, 200, 5, 9, 101, 64, 2])
+    assert torch.equal(runner.forward(runner.new_cache(), ids, len(ids)),
+                       reference.forward(reference.new_cache(), ids, len(ids)))
 
 
 def gguf_weights_named(source, model):

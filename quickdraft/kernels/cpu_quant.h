@@ -77,6 +77,16 @@ struct Q4_KLayout {
   }
 };
 
+// Q5_K: Q4_K's sub-blocks with a 5th bit a code (q in 0..31), in a plane per sub-block after the nibbles.
+struct Q5_KLayout {
+  static constexpr int SB = 256, kChunk = 2880, kSubs = 8, kSubK = 32, kZero = 0;
+  static constexpr bool kMin = true;
+  static __m512 scale(const uint8_t* c, int j) { return _mm512_mul_ps(half16(c + 2560), u8x16(c + 2624 + 16 * j)); }
+  static __m512 min(const uint8_t* c, int j) {  // -dmin * m_j
+    return _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(c + 2592), u8x16(c + 2752 + 16 * j)));
+  }
+};
+
 // Q6_K: 16 sub-blocks of 16 with int8 scales: w = d * sc_j * (q - 32) (q in 0..63).
 struct Q6_KLayout {
   static constexpr int SB = 256, kChunk = 3360, kSubs = 16, kSubK = 16, kZero = 32;

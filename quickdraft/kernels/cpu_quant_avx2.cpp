@@ -152,6 +152,20 @@ struct Q4_KA : Q4_0A {  // 8 sub-blocks of 32 with 6-bit scales and mins: w = d 
   }
 };
 
+struct Q5_KA : Q4_KA {  // Q4_K with a 5th bit a code (Q5_0's plane, one a sub-block of 32)
+  static constexpr int kChunk = 2880, kPairs = 4;
+  static void codes(const uint8_t* c, int u, int h, __m256i& a, __m256i& b) {
+    Q4_0A::codes(c, u, h, a, b);
+    const __m256i plane = load(c + 2048 + (u >> 2) * 64 + h * 32), bit4 = _mm256_set1_epi8(0x10);
+    a = _mm256_or_si256(a, _mm256_and_si256(shift_bits(plane, 2 * (u & 3), 4), bit4));
+    b = _mm256_or_si256(b, _mm256_and_si256(shift_bits(plane, 2 * (u & 3) + 1, 4), bit4));
+  }
+  static __m256 sub_scale(const uint8_t* c, int j, int h) { return _mm256_mul_ps(half8(c + 2560 + 16 * h), u8x8(c + 2624 + 16 * j + 8 * h)); }
+  static __m256 sub_min(const uint8_t* c, int j, int h) {  // -dmin m_j
+    return _mm256_mul_ps(u8x8(c + 2752 + 16 * j + 8 * h), _mm256_sub_ps(_mm256_setzero_ps(), half8(c + 2592 + 16 * h)));
+  }
+};
+
 struct Q6_KA : Q4_0A {  // 16 sub-blocks of 16 with int8 scales: w = d sc_j (q - 32)
   static constexpr int SB = 256, kChunk = 3360, kSubs = 16, kSubK = 16, kZero = 32, kPairs = 2;
   static void codes(const uint8_t* c, int u, int h, __m256i& a, __m256i& b) {
@@ -297,7 +311,7 @@ void groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, floa
 
 template <class F>
 decltype(auto) dispatch(int64_t type, F&& f) {
-  return dispatch_type<Q4_0A, Q4_1A, Q5_0A, Q8_0A, Q4_KA, Q6_KA>(type, std::forward<F>(f));
+  return dispatch_type<Q4_0A, Q4_1A, Q5_0A, Q8_0A, Q4_KA, Q5_KA, Q6_KA>(type, std::forward<F>(f));
 }
 
 }  // namespace
@@ -374,7 +388,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_quant", &linear_quant, "y = x [W_0; W_1; ...]^T on GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, "
-        "Q4_K, Q6_K), int8 activations a scale per 32, AVX2; rows computed alike whatever their number");
+        "Q4_K, Q5_K, Q6_K), int8 activations a scale per 32, AVX2; rows computed alike whatever their number");
   m.def("quant_kernel", &get_quant_kernel, "the quantized linear kernel: int8x32 (the only one on AVX2)");
   m.def("set_quant_kernel", &set_quant_kernel, "choose the quantized linear kernel (only int8x32 here); returns the one before");
   m.def("dequantize_rows", &dequantize_rows, "rows of a packed quantized weight as float32 (the embedding lookup)");

@@ -11,7 +11,7 @@
 // (v = 256 h + l, h and l int8, R = 32639: |x - s v| <= max|x| / 65278, about 2^-16 of the block's max). A
 // sub-block's dot product of the codes q with v is exact in int32, the zero point included (sum q v - z sum v).
 // Blocks of 32 become float32 a block at a time: y += (float(dot) * d) * s (+ m * (s sum v)). The K-quants'
-// sub-block scales are integers (Q4_K 6 bits, Q6_K int8): a super-block's sum_j sc_j float(dot_j) (its dots exact in
+// sub-block scales are integers (Q4_K and Q5_K 6 bits, Q6_K int8): a super-block's sum_j sc_j float(dot_j) (its dots exact in
 // float32: below 2^24) is scaled by d * s once (one s per 256 inputs), its mins -dmin m_j (s sum v_j) added
 // then. A row's outputs go through the same operations in the same order whatever the other rows, their number,
 // the tiling (vpdpbusd or AMX tiles) or the threads: bitwise the same alone or in a batch.
@@ -172,6 +172,23 @@ struct Q5_0V : Q5_0Layout {
     const __m512i plane = load(c + 256), bit4 = _mm512_set1_epi8(0x10);  // bit 2u + half of each byte
     a = _mm512_ternarylogic_epi32(bit4, shift_bits(plane, 2 * u, 4), a, 0xCA);
     b = _mm512_ternarylogic_epi32(bit4, shift_bits(plane, 2 * u + 1, 4), b, 0xCA);
+  }
+};
+
+struct Q5_KV : Q5_KLayout {
+  static constexpr bool kNibbles = true;
+  static void codes(const uint8_t* c, int u, __m512i& a, __m512i& b) {  // Q5_0's plane, one a sub-block of 32
+    Q4_0V::codes(c, u, a, b);
+    const __m512i plane = load(c + 2048 + (u >> 2) * 64), bit4 = _mm512_set1_epi8(0x10);
+    a = _mm512_ternarylogic_epi32(bit4, shift_bits(plane, 2 * (u & 3), 4), a, 0xCA);
+    b = _mm512_ternarylogic_epi32(bit4, shift_bits(plane, 2 * (u & 3) + 1, 4), b, 0xCA);
+  }
+  static __m512 super_scale(const uint8_t* c) { return half16(c + 2560); }  // d
+  static __m512i sub_scale_int(const uint8_t* c, int j) { return u8x16i(c + 2624 + 16 * j); }  // sc_j, an integer
+  static constexpr bool kSignedProducts = false;  // q sc_j in 0 .. 1953: its high byte 0 .. 7
+  static void mins(const uint8_t* c, __m512* mn) {  // -dmin * m_j
+    const __m512 minus_dmin = _mm512_sub_ps(_mm512_setzero_ps(), half16(c + 2592));
+    for (int j = 0; j < kSubs; ++j) mn[j] = _mm512_mul_ps(u8x16(c + 2752 + 16 * j), minus_dmin);
   }
 };
 
@@ -516,10 +533,11 @@ void amx_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, 
   _tile_release();
 }
 
-// K-quants (Q4_K, Q6_K): the sub-block scales folded into the codes, so that one tile product spans a
+// K-quants (Q4_K, Q5_K, Q6_K): the sub-block scales folded into the codes, so that one tile product spans a
 // super-block and its finish is once a super-block, not once a sub-block. p = (q - z) sc_j is an int16 (Q4_K 0 ..
-// 945, Q6_K -4064 .. 4096); its low bytes (unsigned, tdpbsud) and high bytes (tdpbsud or, signed, tdpbssd) are
-// two B tiles, and C_low + 256 C_high is the vpdpbusd kernel's sum_j sc_j dot_j per digit, exactly (|.| < 2^28).
+// 945, Q5_K 0 .. 1953, Q6_K -4064 .. 4096); its low bytes (unsigned, tdpbsud) and high bytes (tdpbsud or, signed,
+// tdpbssd) are two B tiles, and C_low + 256 C_high is the vpdpbusd kernel's sum_j sc_j dot_j per digit, exactly
+// (|.| < 2^28).
 // A super-block's B tiles are built once (in L1) for all passes of 8 or 16 rows, so a row costs a few tile
 // products and its finish; the products of 4 x 64 inputs accumulate in two pairs of C tiles (even and odd
 // 64-input steps) so that consecutive products do not wait for each other. Tiles: 0/1 A, 2/3 B (low/high), 4..7 C.
@@ -638,7 +656,7 @@ void amx_kernel(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, 
 
 template <class F>
 decltype(auto) dispatch(int64_t type, F&& f) {
-  return dispatch_type<Q4_0V, Q4_1V, Q5_0V, Q8_0V, Q4_KV, Q6_KV>(type, std::forward<F>(f));
+  return dispatch_type<Q4_0V, Q4_1V, Q5_0V, Q8_0V, Q4_KV, Q5_KV, Q6_KV>(type, std::forward<F>(f));
 }
 
 }  // namespace

@@ -1,12 +1,12 @@
 """GGUF quantized weights in the layout of quickdraft's quantized linear kernels (kernels/cpu_quant.cpp).
 
-GGUF stores a weight [N, K] row by row in blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0) or 256 (Q4_K, Q6_K) inputs,
+GGUF stores a weight [N, K] row by row in blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0) or 256 (Q4_K, Q5_K, Q6_K) inputs,
 each block its integer codes and scales. `decode` takes the blocks apart into codes [N, K] and the scale
 fields of each block (numpy, exact); `pack` lays them out for the kernel: outputs in groups of 16, each group's
 blocks one contiguous stream of chunks (codes in the dot-product instruction's lane order, 4-bit codes four
 steps to a vector, 5th/6th bits in planes of their own, then the group's scales; read by the bf16 kernel
 and by the integer-dot-product kernel, cpu_quant_vnni.cpp). Nothing is widened: the
-packed weight is within 3% of the GGUF bytes (Q4_K's 6-bit scales take a byte each).
+packed weight is within 3% of the GGUF bytes (Q4_K's and Q5_K's 6-bit scales take a byte each).
 
 `quantize_activations` is the reference of how the integer kernels (cpu_quant_vnni.cpp) take a row of activations
 to integers. `quantize_q4_1` makes the 4-bit form of a dense weight (the 4-bit self-draft of a bf16 target).
@@ -19,13 +19,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-LAYOUT_VERSION = 2  # of the packed layout below (cached packed weights of another version are not read)
+# Of the packed layout below and of which types it packs (cached packed weights of another version are not read:
+# 3 added Q5_K, whose matrices version 2 had left dense).
+LAYOUT_VERSION = 3
 
-Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 2, 3, 6, 8, 12, 14
-NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
+Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 8, 12, 13, 14
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 # type: (inputs per GGUF block, bytes per GGUF block, inputs per packed super-block, bytes per packed chunk)
 LAYOUT = {Q4_0: (32, 18, 32, 288), Q4_1: (32, 20, 32, 320), Q5_0: (32, 22, 32, 352), Q8_0: (32, 34, 32, 544),
-          Q4_K: (256, 144, 256, 2368), Q6_K: (256, 210, 256, 3360)}
+          Q4_K: (256, 144, 256, 2368), Q5_K: (256, 176, 256, 2880), Q6_K: (256, 210, 256, 3360)}
 SUPPORTED = frozenset(LAYOUT)
 
 
@@ -54,7 +56,7 @@ class QuantizedWeight:
 @dataclass
 class Blocks:
     """A GGUF weight taken apart. codes: uint8 [N, K] (the stored unsigned code of each weight); fields: the
-    per-block scale fields, each [N, K / block] (Q4_K, Q6_K: [N, K / 256, sub-blocks])."""
+    per-block scale fields, each [N, K / block] (Q4_K, Q5_K, Q6_K: [N, K / 256, sub-blocks])."""
 
     qtype: int
     codes: np.ndarray
@@ -79,7 +81,7 @@ class Blocks:
             else:
                 w = d * self.codes.view(np.int8).reshape(n, k // 32, 32).astype(np.float32)
             return w.reshape(n, k)
-        if self.qtype == Q4_K:
+        if self.qtype in (Q4_K, Q5_K):
             c = c.reshape(n, k // 256, 8, 32)
             d = f["d"].astype(np.float32)[..., None, None] * f["sc"].astype(np.float32)[..., None]
             m = f["dmin"].astype(np.float32)[..., None, None] * f["m"].astype(np.float32)[..., None]
@@ -116,16 +118,20 @@ def decode(raw: np.ndarray, qtype: int, cols: int) -> Blocks:
         return Blocks(qtype, (halves(b[..., 6:22]) | bits << 4).reshape(n, cols), {"d": f16(0)})
     if qtype == Q8_0:
         return Blocks(qtype, b[..., 2:34].reshape(n, cols).copy(), {"d": f16(0)})
-    if qtype == Q4_K:
+    if qtype in (Q4_K, Q5_K):
         s = b[..., 4:16].astype(np.uint8)  # 12 bytes: 8 six-bit scales and 8 six-bit mins
         sc = np.empty(s.shape[:-1] + (8,), np.uint8)
         mn = np.empty_like(sc)
         sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
         sc[..., 4:] = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
         mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
-        qs = b[..., 16:144].reshape(n, -1, 4, 32)  # 4 runs of 32 bytes: sub-block 2i low, 2i+1 high nibbles
-        codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, cols)
-        return Blocks(qtype, codes, {"d": f16(0), "dmin": f16(2), "sc": sc, "m": mn})
+        # qs: 4 runs of 32 bytes, sub-block 2i the low nibbles, 2i+1 the high ones (Q5_K's after its qh[32])
+        qs = b[..., 16:144] if qtype == Q4_K else b[..., 48:176]
+        codes = np.stack([qs.reshape(n, -1, 4, 32) & 15, qs.reshape(n, -1, 4, 32) >> 4], axis=3)  # [N, blocks, 4, 2, 32]
+        if qtype == Q5_K:  # bit j of qh[l] is the 5th bit of input l of sub-block j
+            qh = b[..., None, 16:48]
+            codes = codes | (((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4).reshape(n, -1, 4, 2, 32)
+        return Blocks(qtype, codes.reshape(n, cols), {"d": f16(0), "dmin": f16(2), "sc": sc, "m": mn})
     # Q6_K: ql[128], qh[64], scales[16] (int8), d; two halves of 128 weights, each from 64 ql and 32 qh bytes.
     ql = b[..., 0:128].reshape(n, -1, 2, 64)
     qh = b[..., 128:192].reshape(n, -1, 2, 32)
@@ -173,13 +179,14 @@ def pack(blocks: Blocks) -> QuantizedWeight:
     else:
         nib = (a & 15).astype(np.uint16).reshape(g, nsb, sb // 8, 4, 32)
         parts.append(_u16_bytes(sum(nib[..., s, :] << (4 * s) for s in range(4))))
-        if qtype == Q5_0:
-            bits = ((a >> 4) & 1).astype(np.uint16)  # [g, nsb, 16, 32]: of step p, lane t at bit _q5_high_bit(p)
-            parts.append(_u16_bytes(sum(bits[..., p, :] << _q5_high_bit(p) for p in range(16))[..., None, :]))
+        if qtype in (Q5_0, Q5_K):
+            # a plane a 32 inputs, [g, nsb, sb / 32, 16, 32]: of step p, lane t at bit _q5_high_bit(p)
+            bits = ((a >> 4) & 1).astype(np.uint16).reshape(g, nsb, sb // 32, 16, 32)
+            parts.append(_u16_bytes(sum(bits[..., p, :] << _q5_high_bit(p) for p in range(16))))
         if qtype == Q6_K:
             two = ((a >> 4) & 3).astype(np.uint16).reshape(g, nsb, sb // 16, 8, 32)
             parts.append(_u16_bytes(sum(two[..., p, :] << _q6_high_bits(p) for p in range(8))))
-    if qtype == Q4_K:
+    if qtype in (Q4_K, Q5_K):
         parts += [per_group(fields["d"]), per_group(fields["dmin"]), per_group(fields["sc"]), per_group(fields["m"])]
     elif qtype == Q6_K:
         parts += [per_group(fields["d"]), per_group(fields["sc"])]

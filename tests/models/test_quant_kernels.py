@@ -51,7 +51,7 @@ def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> np.ndarray
         raw[..., offset:offset + 2] = values[..., None].view(np.uint8)
 
     offsets = {quant.Q4_0: [0], quant.Q5_0: [0], quant.Q8_0: [0], quant.Q4_1: [0, 2], quant.Q4_K: [0, 2],
-               quant.Q6_K: [208]}[qtype]
+               quant.Q5_K: [0, 2], quant.Q6_K: [208]}[qtype]
     for offset in offsets:
         halves(offset, 0.01)
     return raw.reshape(rows, -1)
@@ -290,7 +290,7 @@ def test_bad_input_is_refused():
     with pytest.raises(RuntimeError, match="must be"):
         module.linear_quant(torch.randn(2, 96).bfloat16(), [packed.packed], [quant.Q4_0])  # K mismatch
     with pytest.raises(RuntimeError, match="unsupported quantization type"):
-        module.linear_quant(torch.randn(2, 64).bfloat16(), [packed.packed], [13])
+        module.linear_quant(torch.randn(2, 64).bfloat16(), [packed.packed], [11])  # Q3_K
     with pytest.raises(RuntimeError, match="bf16 or float32"):
         module.linear_quant(torch.randn(2, 64).double(), [packed.packed], [quant.Q4_0])
     with pytest.raises(RuntimeError, match="out of range"):

@@ -66,7 +66,7 @@ def test_the_largest_codes_times_the_largest_activations_do_not_overflow(qtype):
     scales = raw.copy()
     raw[:] = 0x80 if qtype == quant.Q8_0 else 0xFF
     fields = {quant.Q4_0: [(0, 2)], quant.Q5_0: [(0, 2)], quant.Q8_0: [(0, 2)], quant.Q4_1: [(0, 4)],
-              quant.Q4_K: [(0, 4)], quant.Q6_K: [(208, 210)]}[qtype]
+              quant.Q4_K: [(0, 4)], quant.Q5_K: [(0, 4)], quant.Q6_K: [(208, 210)]}[qtype]
     block, size = quant.LAYOUT[qtype][:2]
     per_block = raw.reshape(rows, cols // block, size)
     for lo, hi in fields:  # the float16 scales (and mins) stay valid numbers
@@ -149,7 +149,7 @@ def test_the_scheme_is_int8x32_and_bad_input_is_refused():
     with pytest.raises(RuntimeError, match="float32 or bf16"):
         module.linear_quant(torch.randn(2, 64).double(), [packed.packed], [quant.Q4_0], False)
     with pytest.raises(RuntimeError, match="unsupported quantization type"):
-        module.linear_quant(torch.randn(2, 64), [packed.packed], [13], False)
+        module.linear_quant(torch.randn(2, 64), [packed.packed], [11], False)  # Q3_K
     with pytest.raises(RuntimeError, match="out of range"):
         module.dequantize_rows(packed.packed, quant.Q4_0, torch.tensor([16]), 64)
     assert module.linear_quant(torch.randn(0, 64), [packed.packed], [quant.Q4_0], False).shape == (0, 16)

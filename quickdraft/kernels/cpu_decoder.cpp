@@ -209,7 +209,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "y = x w^T, bf16, batch-invariant (AMX tiles when use_amx and K % 32 == 0)");
   m.def("amx_available", &amx_available, "whether this process may use AMX tiles");
   m.def("linear_int8", &linear_int8, "y = (x w^T) * scales, int8 weights, batch-invariant below 32 rows (AMX from there)");
-  m.def("linear_quant", &linear_quant, "y = x [W_0; W_1; ...]^T on GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, "
+  m.def("linear_quant", &linear_quant, "y = x [W_0; W_1; ...]^T on GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
         "Q4_K, Q5_K, Q6_K) packed by quickdraft.kernels.quant, batch-invariant; bf16, or float32 if float_output",
         py::arg("x"), py::arg("weights"), py::arg("types"), py::arg("float_output") = false);
   m.def("quant_kernel", &get_quant_kernel, "the quantized linear kernel in use: bf16, int8, int8x32 or int16 "

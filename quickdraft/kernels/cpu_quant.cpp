@@ -1,4 +1,5 @@
-// Linear layers on GGUF-quantized weights kept in their block format (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K):
+// Linear layers on GGUF-quantized weights kept in their block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+// Q6_K):
 // y = x W^T for the few rows of a decoding or verification step, streaming 4.5-8.5 bits per weight.
 //
 // Why: a decoding step reads every weight once; at batch 1 its time is the bytes streamed over the memory
@@ -17,7 +18,7 @@
 // are laid out for the dot-product instruction: "step" p of a 32-K block covers k = 2p, 2p+1 for the 16
 // outputs, 32 bf16 lanes (lane 2n + e holds W[n, 2p + e]). 4-bit codes: a 64-byte vector holds four steps,
 // the nibble of step 4g + s in bits 4s..4s+3 of each 16-bit lane, so a shift and one permute (a 32-entry
-// table of bf16 values indexed by the lane's low 5 bits) give the step's weights. 5th bits (Q5_0, Q5_K) and the
+// table of bf16 values indexed by the lane's low 5 bits) give the step's weights. 5th bits (Q5_0, Q5_1, Q5_K) and the
 // 2 high bits of Q6_K codes sit in planes of their own (in the order cpu_quant.h gives, which suits the integer
 // kernel) and are merged into the index by a shift and one ternary-logic. Q8_0 codes are bytes in lane order,
 // widened to bf16.
@@ -101,6 +102,15 @@ struct Q5_0 : Q5_0Layout {
     return (__m512bh)_mm512_permutexvar_epi16(index, t[0]);
   }
   static void load_tables(__m512i* t) { t[0] = load(tables().q5_0); t[1] = _mm512_set1_epi16(0x0010); }
+};
+
+struct Q5_1 : Q5_1Layout {  // Q5_0's codes unsigned; the min is added
+  static __m512bh weights(const uint8_t* c, int p, const __m512i* t) {
+    __m512i high = move_bits(load(c + 256), q5_high_bit(p), 4);
+    __m512i index = _mm512_ternarylogic_epi32(t[1], high, nibbles(c, p), 0xCA);
+    return (__m512bh)_mm512_permutexvar_epi16(index, t[0]);
+  }
+  static void load_tables(__m512i* t) { t[0] = load(tables().q5); t[1] = _mm512_set1_epi16(0x0010); }
 };
 
 struct Q8_0 : Q8_0Layout {
@@ -234,7 +244,7 @@ void groups(const int32_t* x, int64_t M, int64_t half_k, const float* xsum, int6
 
 template <class F>
 decltype(auto) dispatch(int64_t type, F&& f) {
-  return dispatch_type<Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K>(type, std::forward<F>(f));
+  return dispatch_type<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K>(type, std::forward<F>(f));
 }
 
 struct Part {

@@ -60,6 +60,13 @@ struct Q5_0Layout {
   static __m512 min(const uint8_t*, int) { return _mm512_setzero_ps(); }
 };
 
+struct Q5_1Layout {
+  static constexpr int SB = 32, kChunk = 384, kSubs = 1, kSubK = 32, kZero = 0;
+  static constexpr bool kMin = true;
+  static __m512 scale(const uint8_t* c, int) { return half16(c + 320); }
+  static __m512 min(const uint8_t* c, int) { return half16(c + 352); }
+};
+
 struct Q8_0Layout {  // codes stored as signed bytes; kZero applies to them read as unsigned (code ^ 0x80)
   static constexpr int SB = 32, kChunk = 544, kSubs = 1, kSubK = 32, kZero = 128;
   static constexpr bool kMin = false;

@@ -128,6 +128,13 @@ struct Q5_0A : Q4_0A {
   static __m256 scale(const uint8_t* c, int, int h) { return half8(c + 320 + 16 * h); }
 };
 
+struct Q5_1A : Q5_0A {  // Q5_0's codes unsigned, with a min: w = d q + m
+  static constexpr int kChunk = 384, kZero = 0;
+  static constexpr bool kMin = true;
+  static __m256 scale(const uint8_t* c, int, int h) { return half8(c + 320 + 16 * h); }
+  static __m256 min(const uint8_t* c, int, int h) { return half8(c + 352 + 16 * h); }
+};
+
 struct Q8_0A : Q4_0A {  // signed codes: no zero point (the sign trick)
   static constexpr int kChunk = 544, kZero = 0, kPairs = 1;
   static constexpr bool kNibbles = false, kSigned = true;
@@ -311,7 +318,7 @@ void groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, floa
 
 template <class F>
 decltype(auto) dispatch(int64_t type, F&& f) {
-  return dispatch_type<Q4_0A, Q4_1A, Q5_0A, Q8_0A, Q4_KA, Q5_KA, Q6_KA>(type, std::forward<F>(f));
+  return dispatch_type<Q4_0A, Q4_1A, Q5_0A, Q5_1A, Q8_0A, Q4_KA, Q5_KA, Q6_KA>(type, std::forward<F>(f));
 }
 
 }  // namespace
@@ -387,7 +394,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch:
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_quant", &linear_quant, "y = x [W_0; W_1; ...]^T on GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, "
+  m.def("linear_quant", &linear_quant, "y = x [W_0; W_1; ...]^T on GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
         "Q4_K, Q5_K, Q6_K), int8 activations a scale per 32, AVX2; rows computed alike whatever their number");
   m.def("quant_kernel", &get_quant_kernel, "the quantized linear kernel: int8x32 (the only one on AVX2)");
   m.def("set_quant_kernel", &set_quant_kernel, "choose the quantized linear kernel (only int8x32 here); returns the one before");

@@ -15,7 +15,9 @@
 namespace {
 
 // GGML's type ids.
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+
+constexpr const char* kSupported = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K";
 
 // Per type: inputs per chunk (a packed super-block), the chunk's bytes, whether it has mins.
 struct PackedType {
@@ -28,11 +30,12 @@ inline PackedType packed_type(int64_t type) {
     case kQ4_0: return {32, 288, false};
     case kQ4_1: return {32, 320, true};
     case kQ5_0: return {32, 352, false};
+    case kQ5_1: return {32, 384, true};
     case kQ8_0: return {32, 544, false};
     case kQ4_K: return {256, 2368, true};
     case kQ5_K: return {256, 2880, true};
     case kQ6_K: return {256, 3360, false};
-    default: TORCH_CHECK(false, "unsupported quantization type ", type, " (supported: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)");
+    default: TORCH_CHECK(false, "unsupported quantization type ", type, " (supported: ", kSupported, ")");
   }
   return {32, 288, false};  // not reached
 }
@@ -46,19 +49,20 @@ inline void check_weight(const torch::Tensor& w, int64_t type, int64_t K) {
               w.sizes());
 }
 
-// Calls f(T{}) with the struct of a GGML type among a kernel's seven (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K,
-// in that order): the one place a type id becomes its code.
-template <class T4_0, class T4_1, class T5_0, class T8_0, class T4_K, class T5_K, class T6_K, class F>
+// Calls f(T{}) with the struct of a GGML type among a kernel's eight (kSupported's, in that order): the one place a
+// type id becomes its code.
+template <class T4_0, class T4_1, class T5_0, class T5_1, class T8_0, class T4_K, class T5_K, class T6_K, class F>
 decltype(auto) dispatch_type(int64_t type, F&& f) {
   switch (type) {
     case kQ4_0: return f(T4_0{});
     case kQ4_1: return f(T4_1{});
     case kQ5_0: return f(T5_0{});
+    case kQ5_1: return f(T5_1{});
     case kQ8_0: return f(T8_0{});
     case kQ4_K: return f(T4_K{});
     case kQ5_K: return f(T5_K{});
     case kQ6_K: return f(T6_K{});
-    default: TORCH_CHECK(false, "unsupported quantization type ", type, " (supported: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)");
+    default: TORCH_CHECK(false, "unsupported quantization type ", type, " (supported: ", kSupported, ")");
   }
   return f(T4_0{});  // not reached
 }
@@ -73,10 +77,10 @@ inline int nibble_at(const uint8_t* plane, int n, int k) {  // k within the plan
   const uint16_t word = reinterpret_cast<const uint16_t*>(plane)[(p >> 2) * 32 + lane(n, k)];
   return (word >> (4 * (p & 3))) & 15;
 }
-// Where the high bits of a code sit (Q5_0's and Q5_K's 5th bit, Q6_K's 5th and 6th). Step p of a 32-input run
+// Where the high bits of a code sit (Q5_0's, Q5_1's and Q5_K's 5th bit, Q6_K's 5th and 6th). Step p of a 32-input run
 // covers inputs 2p, 2p+1 (16-bit lane 2n + e of output n); the nibble of step p = 4g + s is in nibble vector g. Its
 // high bits are at bit `high_bit_position(p)` (times the bit width) of the 16-bit lane, in a plane vector per
-// 32 inputs (Q5_0, Q5_K: 1 bit, p taken within the 32) or per 16 (Q6_K, 2 bits, p taken within the 16). This order puts the high bits of
+// 32 inputs (Q5_0, Q5_1, Q5_K: 1 bit, p taken within the 32) or per 16 (Q6_K, 2 bits, p taken within the 16). This order puts the high bits of
 // the four bytes an integer dot product reads together at one bit position of each byte (cpu_quant_vnni.cpp).
 constexpr int q5_high_bit(int p) { return 8 * ((p & 3) >> 1) + 2 * (p >> 2) + (p & 1); }
 constexpr int q6_high_bits(int p) { return 8 * ((p & 3) >> 1) + 2 * (2 * ((p >> 2) & 1) + (p & 1)); }
@@ -88,6 +92,10 @@ inline float weight_value(int64_t type, const uint8_t* c, int n, int k) {
     case kQ5_0: {
       const int high = (reinterpret_cast<const uint16_t*>(c + 256)[lane(n, k)] >> q5_high_bit(k >> 1)) & 1;
       return f16(c + 320 + 2 * n) * static_cast<float>((nibble_at(c, n, k) | high << 4) - 16);
+    }
+    case kQ5_1: {
+      const int high = (reinterpret_cast<const uint16_t*>(c + 256)[lane(n, k)] >> q5_high_bit(k >> 1)) & 1;
+      return f16(c + 320 + 2 * n) * static_cast<float>(nibble_at(c, n, k) | high << 4) + f16(c + 352 + 2 * n);
     }
     case kQ8_0:
       return f16(c + 512 + 2 * n) * static_cast<float>(reinterpret_cast<const int8_t*>(c)[(k >> 1) * 32 + lane(n, k)]);

@@ -192,6 +192,13 @@ struct Q5_KV : Q5_KLayout {
   }
 };
 
+struct Q5_1V : Q5_1Layout {
+  static constexpr bool kNibbles = true;
+  static __m512 sub_scale(const uint8_t* c, int j) { return scale(c, j); }
+  static __m512 sub_min(const uint8_t* c, int j) { return min(c, j); }
+  static void codes(const uint8_t* c, int u, __m512i& a, __m512i& b) { Q5_0V::codes(c, u, a, b); }
+};
+
 struct Q6_KV : Q6_KLayout {
   static constexpr bool kNibbles = true;
   static void codes(const uint8_t* c, int u, __m512i& a, __m512i& b) {
@@ -656,7 +663,7 @@ void amx_kernel(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, 
 
 template <class F>
 decltype(auto) dispatch(int64_t type, F&& f) {
-  return dispatch_type<Q4_0V, Q4_1V, Q5_0V, Q8_0V, Q4_KV, Q5_KV, Q6_KV>(type, std::forward<F>(f));
+  return dispatch_type<Q4_0V, Q4_1V, Q5_0V, Q5_1V, Q8_0V, Q4_KV, Q5_KV, Q6_KV>(type, std::forward<F>(f));
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 """GGUF quantized weights in the layout of quickdraft's quantized linear kernels (kernels/cpu_quant.cpp).
 
-GGUF stores a weight [N, K] row by row in blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0) or 256 (Q4_K, Q5_K, Q6_K) inputs,
+GGUF stores a weight [N, K] row by row in blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or 256 (Q4_K, Q5_K, Q6_K) inputs,
 each block its integer codes and scales. `decode` takes the blocks apart into codes [N, K] and the scale
 fields of each block (numpy, exact); `pack` lays them out for the kernel: outputs in groups of 16, each group's
 blocks one contiguous stream of chunks (codes in the dot-product instruction's lane order, 4-bit codes four
@@ -19,14 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# Of the packed layout below and of which types it packs (cached packed weights of another version are not read:
-# 3 added Q5_K, whose matrices version 2 had left dense).
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 2  # of the packed layout below (cached packed weights of another version are not read)
 
-Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 8, 12, 13, 14
-NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
+         Q6_K: "Q6_K"}
 # type: (inputs per GGUF block, bytes per GGUF block, inputs per packed super-block, bytes per packed chunk)
-LAYOUT = {Q4_0: (32, 18, 32, 288), Q4_1: (32, 20, 32, 320), Q5_0: (32, 22, 32, 352), Q8_0: (32, 34, 32, 544),
+LAYOUT = {Q4_0: (32, 18, 32, 288), Q4_1: (32, 20, 32, 320), Q5_0: (32, 22, 32, 352), Q5_1: (32, 24, 32, 384),
+          Q8_0: (32, 34, 32, 544),
           Q4_K: (256, 144, 256, 2368), Q5_K: (256, 176, 256, 2880), Q6_K: (256, 210, 256, 3360)}
 SUPPORTED = frozenset(LAYOUT)
 
@@ -69,12 +69,12 @@ class Blocks:
         """float32 [N, K], computed as GGML does (the reference's order of operations)."""
         n, k = self.codes.shape
         f, c = self.fields, self.codes.astype(np.float32)
-        if self.qtype in (Q4_0, Q4_1, Q5_0, Q8_0):
+        if self.qtype in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0):
             c = c.reshape(n, k // 32, 32)
             d = f["d"].astype(np.float32)[..., None]
             if self.qtype == Q4_0:
                 w = d * (c - 8)
-            elif self.qtype == Q4_1:
+            elif self.qtype in (Q4_1, Q5_1):
                 w = d * c + f["m"].astype(np.float32)[..., None]
             elif self.qtype == Q5_0:
                 w = d * (c - 16)
@@ -112,10 +112,12 @@ def decode(raw: np.ndarray, qtype: int, cols: int) -> Blocks:
         return Blocks(qtype, halves(b[..., 2:18]).reshape(n, cols), {"d": f16(0)})
     if qtype == Q4_1:
         return Blocks(qtype, halves(b[..., 4:20]).reshape(n, cols), {"d": f16(0), "m": f16(2)})
-    if qtype == Q5_0:
-        high = b[..., 2:6].copy().view("<u4")  # [N, blocks, 1]: bit j is the 5th bit of weight j
+    if qtype in (Q5_0, Q5_1):  # Q5_1: d, m, then Q5_0's qh[4] and qs[16]
+        at = 2 if qtype == Q5_0 else 4
+        high = b[..., at:at + 4].copy().view("<u4")  # [N, blocks, 1]: bit j is the 5th bit of weight j
         bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-        return Blocks(qtype, (halves(b[..., 6:22]) | bits << 4).reshape(n, cols), {"d": f16(0)})
+        fields = {"d": f16(0)} if qtype == Q5_0 else {"d": f16(0), "m": f16(2)}
+        return Blocks(qtype, (halves(b[..., at + 4:at + 20]) | bits << 4).reshape(n, cols), fields)
     if qtype == Q8_0:
         return Blocks(qtype, b[..., 2:34].reshape(n, cols).copy(), {"d": f16(0)})
     if qtype in (Q4_K, Q5_K):
@@ -179,7 +181,7 @@ def pack(blocks: Blocks) -> QuantizedWeight:
     else:
         nib = (a & 15).astype(np.uint16).reshape(g, nsb, sb // 8, 4, 32)
         parts.append(_u16_bytes(sum(nib[..., s, :] << (4 * s) for s in range(4))))
-        if qtype in (Q5_0, Q5_K):
+        if qtype in (Q5_0, Q5_1, Q5_K):
             # a plane a 32 inputs, [g, nsb, sb / 32, 16, 32]: of step p, lane t at bit _q5_high_bit(p)
             bits = ((a >> 4) & 1).astype(np.uint16).reshape(g, nsb, sb // 32, 16, 32)
             parts.append(_u16_bytes(sum(bits[..., p, :] << _q5_high_bit(p) for p in range(16))))
@@ -192,7 +194,7 @@ def pack(blocks: Blocks) -> QuantizedWeight:
         parts += [per_group(fields["d"]), per_group(fields["sc"])]
     else:
         parts.append(per_group(fields["d"]))
-        if qtype == Q4_1:
+        if qtype in (Q4_1, Q5_1):
             parts.append(per_group(fields["m"]))
     packed = np.concatenate(parts, axis=-1)
     assert packed.shape == (g, nsb, chunk), (packed.shape, chunk)

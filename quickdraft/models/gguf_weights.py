@@ -2,7 +2,7 @@
 
 transformers loads a GGUF model by dequantizing every tensor; the native runner then takes the model's
 norms, rotary tables and configuration from that model, and its linear layers and embedding from here: the
-file's own blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K), repacked for kernels/cpu_quant.cpp, so a decoding
+file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), repacked for kernels/cpu_quant.cpp, so a decoding
 step streams the stored 4.5-8.5 bits a weight instead of 16. Matrices of other types (F16, IQ*, ...) are
 absent here, and the runner keeps those layers dense.
 

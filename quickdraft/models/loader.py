@@ -180,10 +180,18 @@ def _read_packed_cache(cached: Path | None):
     if cached is None or not cached.is_file():
         return None
     try:
-        return gguf_weights.load(cached)  # memory-mapped (safetensors): pages read as the forwards touch them
+        weights = gguf_weights.load(cached)  # memory-mapped (safetensors): pages read as the forwards touch them
     except Exception as exc:  # a damaged cache only costs the time to read the file again
         log.warning("could not read the cached quantized weights %s (%s); reading the GGUF file", cached, exc)
         return None
+    from quickdraft.kernels import quant
+
+    now_packed = sorted({kind for kind in weights.skipped.values() if kind in quant.NAMES.values()})
+    if now_packed:  # written before these types had kernels: the file's matrices of them would stay dense
+        log.info("the cached quantized weights %s predate the %s kernels; reading the GGUF file", cached,
+                 ", ".join(now_packed))
+        return None
+    return weights
 
 
 def _write_packed_cache(weights, cached: Path | None) -> None:

@@ -198,6 +198,20 @@ def test_fused_layers_of_mixed_types_run_dense_as_through_transformers(tmp_path,
                        reference.forward(reference.new_cache(), ids, len(ids)))
 
 
+def test_a_cache_written_before_a_type_had_kernels_is_not_read(tmp_path):
+    """A packed cache lists the matrices it left dense by type: one that left Q5_1 dense (written before Q5_1 had
+    kernels) would keep them dense, so it is read again from the GGUF file; one that left F16 dense is read."""
+    from quickdraft.models import gguf_weights
+    from quickdraft.models.gguf_weights import QuantizedWeights
+
+    for kind, read in (("Q5_1", False), ("F16", True)):
+        weights = QuantizedWeights("model.gguf")
+        weights.skipped = {"blk.0.attn_q.weight": kind}
+        path = tmp_path / f"cache-{kind}.safetensors"
+        gguf_weights.save(weights, path)
+        assert (loader._read_packed_cache(path) is not None) == read
+
+
 def gguf_weights_named(source, model):
     """The packed matrices gguf_weights.read makes from the file (the reference the direct path must equal)."""
     from quickdraft.models import gguf_weights

@@ -50,7 +50,7 @@ def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> np.ndarray
         values = (rng.standard_normal((rows, cols // block)) * scale).astype(np.float16)
         raw[..., offset:offset + 2] = values[..., None].view(np.uint8)
 
-    offsets = {quant.Q4_0: [0], quant.Q5_0: [0], quant.Q8_0: [0], quant.Q4_1: [0, 2], quant.Q4_K: [0, 2],
+    offsets = {quant.Q4_0: [0], quant.Q5_0: [0], quant.Q5_1: [0, 2], quant.Q8_0: [0], quant.Q4_1: [0, 2], quant.Q4_K: [0, 2],
                quant.Q5_K: [0, 2], quant.Q6_K: [208]}[qtype]
     for offset in offsets:
         halves(offset, 0.01)

@@ -65,7 +65,7 @@ def test_the_largest_codes_times_the_largest_activations_do_not_overflow(qtype):
     raw = random_blocks(qtype, rows, cols, seed=5)
     scales = raw.copy()
     raw[:] = 0x80 if qtype == quant.Q8_0 else 0xFF
-    fields = {quant.Q4_0: [(0, 2)], quant.Q5_0: [(0, 2)], quant.Q8_0: [(0, 2)], quant.Q4_1: [(0, 4)],
+    fields = {quant.Q4_0: [(0, 2)], quant.Q5_0: [(0, 2)], quant.Q5_1: [(0, 4)], quant.Q8_0: [(0, 2)], quant.Q4_1: [(0, 4)],
               quant.Q4_K: [(0, 4)], quant.Q5_K: [(0, 4)], quant.Q6_K: [(208, 210)]}[qtype]
     block, size = quant.LAYOUT[qtype][:2]
     per_block = raw.reshape(rows, cols // block, size)

@@ -30,9 +30,9 @@ def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _write_gguf(model, path, arch: str, qtype, dense: tuple[str, ...] = ()) -> None:
-    """`model` (a tiny transformers causal LM) as a GGUF file: its matrices in `qtype` (those whose name holds one
-    of `dense` in F16: a type without a quantized kernel), the rest float32, and metadata arrays (a fake
-    vocabulary) for the header parser to skip."""
+    """`model` (a tiny transformers causal LM) as a GGUF file: its matrices in `qtype` (those named by `dense`, as
+    "attn_q" or "output", in F16: a type without a quantized kernel), the rest float32, and metadata arrays (a
+    fake vocabulary) for the header parser to skip."""
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
     c = model.config
@@ -56,7 +56,7 @@ def _write_gguf(model, path, arch: str, qtype, dense: tuple[str, ...] = ()) -> N
         name, w = names[hf_name], tensor.detach().float().numpy()
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             w = _llama_permute(w, c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads)
-        if w.ndim == 2 and any(part in name for part in dense):
+        if w.ndim == 2 and any(name.startswith(f"{part}.") or f".{part}." in name for part in dense):
             writer.add_tensor(name, w.astype(np.float16))
         elif w.ndim == 2:
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
@@ -172,25 +172,30 @@ def test_direct_load_equals_the_transformers_path(tiny_gguf, tmp_path, monkeypat
         assert torch.equal(runner.forward(runner.new_cache(), ids, len(ids)), expected_logits)
 
 
-def test_fused_layers_of_mixed_types_run_dense_as_through_transformers(tmp_path, monkeypatch):
-    """A fused group whose parts are not all of kernel types (a Q5_K_M file's Q5_1 q beside its Q8_0 v) runs
-    dense: the direct load's runner, whose packed parts sat on meta, gives the transformers path's logits
-    bitwise, and the other layers stay on their blocks."""
+@pytest.mark.parametrize("arch, dense", [("qwen2", ("attn_q", "ffn_up")), ("qwen2", ("attn_v", "ffn_gate")),
+                                         ("qwen2", ("output",)), ("qwen2", ("token_embd",)),
+                                         ("llama", ("token_embd", "attn_k")), ("llama", ("attn_output", "ffn_down"))])
+def test_layers_of_mixed_types_run_as_through_transformers(arch, dense, tmp_path, monkeypatch):
+    """Files whose matrices are not all of kernel types (a Q5_K_M file's Q5_1 q beside its Q8_0 v; an F16 head or
+    embedding): a fused group (q|k|v, gate|up) with such a part runs dense, the rest on blocks, and the direct
+    load's runner (its packed parts on meta) gives the transformers path's logits bitwise."""
     _kernels_or_skip()
     from quickdraft.models.linear import BlockLinear, DenseLinear
     from quickdraft.models.native import NativeRunner
 
     monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "mixed.gguf"
-    _write_gguf(_tiny("qwen2"), path, "qwen2", gguf.GGMLQuantizationType.Q8_0, dense=("attn_q", "ffn_up"))
+    _write_gguf(_tiny(arch), path, arch, gguf.GGMLQuantizationType.Q8_0, dense=dense)
     source = loader.resolve(str(path))
     bf16, cpu = torch.bfloat16, torch.device("cpu")
     model, _, packed = loader.load_for_runner(source, bf16, cpu)
-    assert packed.get(0, "k") is not None and packed.get(0, "q") is None  # k, v packed (on meta), q dense
     runner = NativeRunner(model, quantized=packed)
+    groups = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
+              "down": ("ffn_down",)}
     for layer in runner.layers:
-        assert isinstance(layer.qkv, DenseLinear) and isinstance(layer.gate_up, DenseLinear)
-        assert isinstance(layer.o, BlockLinear) and isinstance(layer.down, BlockLinear)
+        for name, parts in groups.items():
+            kind = DenseLinear if any(part in dense for part in parts) else BlockLinear
+            assert isinstance(getattr(layer, name), kind), (name, dense)
     reference_model, _ = loader.load(source, bf16, cpu)
     reference = NativeRunner(reference_model, quantized=loader.quantized_weights(source, reference_model, bf16, cpu))
     ids = torch.tensor([3, 17, 200, 5, 9, 101, 64, 2])

@@ -66,6 +66,9 @@ class _Curve:
     def points(self) -> dict[int, float]:
         return dict(self._fitted())
 
+    def measured(self, x: int) -> bool:
+        return x in self._samples
+
     def _fitted(self) -> list[tuple[int, float]]:
         if self._fit is None:
             points = sorted(self._samples.items())
@@ -93,17 +96,40 @@ class _Curve:
 
 
 class StepCosts:
-    """Moving averages of a one-sequence step's wall time by the number of draft tokens it verified."""
+    """A one-sequence step's wall time by the number of draft tokens k it verified, and its two parts where the
+    engine times them: the drafting, and the rest (the target's forward over k + 1 rows, verification, commit).
+
+    A k that was measured costs its (median) time. Any other k costs the rest's curve at k (its prior slope
+    beyond the measured points) plus k draft tokens at the drafting's measured cost per token. Why the parts: a
+    model draft's token costs a draft forward (~0.5 of the target's step for the Qwen 0.5B beside the 1.5B),
+    which a slope prior for verification rows prices at almost nothing. With the step's whole time alone, an
+    engine that had only run K = 4 priced plain decoding at 0.8x of that step instead of ~0.35x, so it never
+    tried fewer drafts, and a prompt accepting 50% ran slower than plain (benchmarks/RESULTS.md, session 23);
+    and two measured points fitted flat (a slow step at k - 1) priced every smaller k, K = 0 included, the same."""
 
     def __init__(self, max_k: int):
         self.curve = _Curve()
+        self.rest = _Curve()   # the step less its drafting, by k
+        self.draft = _Curve()  # the drafting alone, by k > 0
 
-    def record(self, k: int, seconds: float) -> None:
+    def record(self, k: int, seconds: float, draft_seconds: float | None = None) -> None:
         self.curve.record(k, seconds)
+        if draft_seconds is not None:
+            self.rest.record(k, max(0.0, seconds - draft_seconds))
+            if k > 0:
+                self.draft.record(k, draft_seconds)
+
+    def draft_per_token(self) -> float:
+        """The drafting's measured seconds per draft token (the median over the k measured); 0 before any."""
+        points = self.draft.points
+        return statistics.median(seconds / k for k, seconds in points.items()) if points else 0.0
 
     def estimate(self, k: int) -> float | None:
-        """The measured (or, between and beyond measured points, linearly inferred) time of a step."""
-        return self.curve.estimate(k, PRIOR_COST_SLOPE)
+        """A step's time with k drafts: measured, or from its parts (linearly inferred from the whole steps'
+        times where the parts were never timed)."""
+        if self.curve.measured(k) or not self.rest.points:
+            return self.curve.estimate(k, PRIOR_COST_SLOPE)
+        return self.rest.estimate(k, PRIOR_COST_SLOPE) + k * self.draft_per_token()
 
 
 class _PositionCounts:

@@ -252,7 +252,7 @@ class Engine:
                 # (their cost depends on the batch).
                 if len(seqs) == 1 and feed.numel() == k + 1 and not proposal.catch_up:
                     self.step_costs_of(kinds[index]).record(k if tree is None else chosen[index],
-                                                            time.perf_counter() - t0)
+                                                            time.perf_counter() - t0, t1 - t0)
             # The target's token ends the step as a bonus where nothing was left to verify after the accepted
             # drafts (all k of a chain; a tree path that ends at a leaf), else as a correction.
             bonus = n == k if tree is None else not tree.children(nodes[-1] + 1 if nodes else 0)

@@ -19,6 +19,38 @@ def test_step_costs_interpolate_and_extrapolate():
     assert 14.0 < costs.estimate(4) < 24.0
 
 
+def test_unmeasured_draft_lengths_cost_the_rest_plus_their_draft_tokens():
+    """A model draft's token costs a draft forward: with only K = 4 run (158 ms, 80 of them drafting), plain decoding
+    costs about the rest's 78 ms (its prior slope below), not 0.8x of the whole step, and one draft token 20 ms."""
+    costs = StepCosts(4)
+    for _ in range(3):
+        costs.record(4, 0.158, 0.080)
+    assert costs.estimate(4) == pytest.approx(0.158)
+    assert costs.estimate(0) == pytest.approx(0.078 * (1 - 4 * adaptive.PRIOR_COST_SLOPE))
+    assert costs.estimate(1) == pytest.approx(0.078 * (1 - 3 * adaptive.PRIOR_COST_SLOPE) + 0.020)
+    assert costs.draft_per_token() == pytest.approx(0.020)
+    stats = AcceptanceStats()  # the fixed prior (0.6 a position): 4 drafts do not pay at 20 ms each
+    assert choose_k(stats, costs, 4) == 1
+    old = StepCosts(4)  # the whole steps alone (drafting not timed): the slope prior, which kept K = 4
+    for _ in range(3):
+        old.record(4, 0.158)
+    assert choose_k(stats, old, 4) == 4
+
+
+def test_a_flat_fit_of_two_draft_lengths_does_not_price_plain_decoding_as_drafting():
+    """A slow step at k = 3 fits the curve flat over 3 and 4; the smaller k still shed their draft tokens."""
+    costs = StepCosts(4)
+    for _ in range(3):
+        costs.record(4, 0.150, 0.080)
+        costs.record(3, 0.160, 0.060)
+    assert costs.estimate(3) == costs.estimate(4)  # measured, fitted non-decreasing
+    assert costs.estimate(0) < 0.100 < costs.estimate(3)
+    bad = AcceptanceStats()
+    for _ in range(20):
+        bad.update(4, 0)
+    assert choose_k(bad, costs, 4) == 0
+
+
 def test_acceptance_counts_positions_reached():
     stats = AcceptanceStats()
     assert abs(stats.expected_tokens(0) - 1.0) < 1e-12

@@ -38,8 +38,8 @@ __all__ = ["DraftModelOptions", "DraftModelProposer", "DraftModelState", "Quanti
 @dataclass
 class QuantizationOptions(DraftOptions):
     """quantization: weight-only quantization of a draft model: int8 or q4 (4-bit codes, a scale and min per 32
-    inputs, on the quantized CPU kernels). The target is never quantized by this: the output stays exactly the
-    target's."""
+    inputs, on the quantized CPU kernels; a GGUF draft's 4-bit blocks, Q4_0/Q4_1/Q4_K, stay as stored). The
+    target is never quantized by this: the output stays exactly the target's."""
 
     quantization: str | None = None
 

@@ -204,6 +204,9 @@ class Int8Linear(Linear):
         self.scales = self.scales[: rows * 16 if self._kernels is not None else rows]  # padded to groups of 16
 
 
+FOUR_BIT = frozenset({quant.Q4_0, quant.Q4_1, quant.Q4_K})  # what Linear.q4 keeps of a GGUF file's blocks
+
+
 class BlockLinear(Linear):
     """GGML-quantized blocks: `parts` side by side make the [N, K] weight (every part but the last a multiple
     of 16 rows), run on the quantized kernels: AVX-512's with bf16 activations (then the C++ decoder loop can take
@@ -259,6 +262,16 @@ class BlockLinear(Linear):
     def dense(self) -> torch.Tensor:
         return torch.cat([self._quant.dequantize_rows(p.packed, p.qtype, torch.arange(p.rows), p.cols)
                           for p in self.parts])
+
+    def q4(self) -> "BlockLinear":
+        """Parts stored in 4-bit blocks (Q4_0, Q4_1, Q4_K: 4.5-5 bits a weight) kept as they are, the others
+        (Q5_*, Q6_K, Q8_0) requantized to Q4_1: requantizing a 4-bit part would round it twice, and from Q4_K's
+        4.5 bits it would grow. A GGUF draft's wide head and Q5_0 layers then stream 5 bits a weight."""
+        parts = [p if p.qtype in FOUR_BIT else quant.pack(quant.quantize_q4_1(
+            self._quant.dequantize_rows(p.packed, p.qtype, torch.arange(p.rows), p.cols))) for p in self.parts]
+        if all(new is old for new, old in zip(parts, self.parts)):
+            return self
+        return BlockLinear(parts, self.bias, self.dtype)
 
     def _narrow(self) -> None:  # the parts in order, the last cut to its groups of 16 outputs
         parts, left = [], self.out_features

@@ -271,12 +271,15 @@ class NativeRunner:
     def quantized(self, scheme: str) -> "NativeRunner":
         """The same model with weight-only quantized linear layers (the embedding and norms are shared):
         `int8` (per-output scales) or `q4` (4-bit codes, a float16 scale and min per 32 inputs: GGML's Q4_1,
-        on the quantized kernels; int8 where those cannot run)."""
+        on the quantized kernels; int8 where those cannot run; a GGUF file's 4-bit blocks stay as stored)."""
         if scheme not in QUANTIZATION_SCHEMES:
             raise QuickdraftError(f"unknown quantization {scheme!r}; supported: {', '.join(QUANTIZATION_SCHEMES)}")
         if self.device.type != "cpu" and self.device.type != "cuda":
             raise QuickdraftError(f"{scheme} weights need a CPU or CUDA device, not {self.device.type}")
-        convert = Linear.int8 if scheme == "int8" else Linear.q4
+
+        def convert(linear: Linear) -> Linear:  # the layer's own method (BlockLinear keeps its 4-bit parts)
+            return linear.int8() if scheme == "int8" else linear.q4()
+
         view = self._copy(f"{self.name}[{scheme}]")
         view.layers = [Layer(**{**layer.__dict__, **{name: convert(getattr(layer, name))
                                                      for name in ("qkv", "o", "gate_up", "down")}})

@@ -406,6 +406,32 @@ def test_quantized_target_greedy_speculative_equals_plain_on_tiny_models(method,
 
 
 @needs_kernels
+def test_q4_of_gguf_blocks_keeps_4_bit_parts_and_requantizes_the_wider():
+    """A GGUF layer's q4: its Q4_K part as stored (the same packed tensor), its Q8_0 part Q4_1 blocks of its values;
+    a layer of 4-bit parts only is itself."""
+    from quickdraft.kernels import quant
+    from quickdraft.models.linear import BlockLinear
+    from tests.models.test_quant_kernels import random_blocks
+
+    four = quant.pack(quant.decode(random_blocks(quant.Q4_K, 32, 256), quant.Q4_K, 256))
+    eight = quant.pack(quant.decode(random_blocks(quant.Q8_0, 48, 256), quant.Q8_0, 256))
+    layer = BlockLinear([four, eight], dtype=torch.bfloat16)
+    q4 = layer.q4()
+    assert q4.parts[0] is four and [p.name for p in q4.parts] == ["Q4_K", "Q4_1"]
+    expected = quant.pack(quant.quantize_q4_1(layer.dense()[32:]))
+    assert torch.equal(q4.parts[1].packed, expected.packed)
+    assert BlockLinear([four], dtype=torch.bfloat16).q4().parts[0] is four
+    x = torch.randn(3, 256).bfloat16()
+    assert torch.equal(q4(x)[:, :32], layer(x)[:, :32])  # the kept part computes the same outputs
+    model = tiny_llama16(seed=0).to(torch.bfloat16)  # a runner's q4 view: the same rule, layer by layer
+    runner = NativeRunner(model, quantized=gguf_blocks_of(model))
+    for layer, view in zip(runner.layers, runner.quantized("q4").layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            for stored, part in zip(getattr(layer, name).parts, getattr(view, name).parts):
+                assert (part is stored) == (stored.name in ("Q4_0", "Q4_1")) and part.name in ("Q4_0", "Q4_1")
+
+
+@needs_kernels
 def test_q4_self_draft_is_4_bit_and_exact():
     target = tiny_llama16()
     full = LLM(target).target

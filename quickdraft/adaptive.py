@@ -33,6 +33,12 @@ ENGINE_PRIOR_WEIGHT = 4.0
 # per draft token (measured in bf16: verifying 8 tokens costs about 1.15x one on a CPU with AMX, ~0.02 per
 # token, and 1.5-1.7x one on AVX512-BF16 without AMX, ~0.08; the prior sits between until steps are timed).
 PRIOR_COST_SLOPE = 0.05
+# A request that has not drafted for this many steps drafts one token (a probe), whatever the estimates say.
+# Its counts decay toward the engine's prior, which is floored at PRIOR_ACCEPTANCE; where that rate does not pay
+# for a draft (the Qwen 0.5B draft costs ~0.4 of the 1.5B's step on a 2-core CPU: 0.6 a position is about
+# break-even), decaying alone never made it draft again, so it never saw its text turn easy. One draft token every
+# 16 steps costs at most ~3% of a plain request's time (chosen, not tuned).
+PROBE_INTERVAL = 16
 
 
 class _Curve:
@@ -55,9 +61,16 @@ class _Curve:
         self._fit: list[tuple[int, float]] | None = None  # sorted (x, fitted cost), recomputed after a record
 
     def record(self, x: int, seconds: float) -> None:
-        self._records += 1
         self._samples.setdefault(x, deque(maxlen=self.window)).append(seconds)
-        self._last[x] = self._records
+        self._last[x] = self._records + 1
+        self.tick()
+
+    def tick(self) -> None:
+        """Count a record of the engine's that measured no point of this curve (a plain step, for the cost of
+        drafting): points age by the engine's steps, not by this curve's records, so a draft cost measured
+        slow (a busy minute) that made adaptive K stop drafting is forgotten after max_age steps and drafting
+        is tried again. Otherwise nothing would ever measure it anew."""
+        self._records += 1
         for stale in [p for p, last in self._last.items() if self._records - last > self.max_age]:
             del self._samples[stale], self._last[stale]
         self._fit = None
@@ -101,7 +114,7 @@ class StepCosts:
 
     A k that was measured costs its (median) time. Any other k costs the rest's curve at k (its prior slope
     beyond the measured points) plus k draft tokens at the drafting's measured cost per token. Why the parts: a
-    model draft's token costs a draft forward (~0.5 of the target's step for the Qwen 0.5B beside the 1.5B),
+    model draft's token costs a draft forward (~0.4 of the target's step for the Qwen 0.5B beside the 1.5B),
     which a slope prior for verification rows prices at almost nothing. With the step's whole time alone, an
     engine that had only run K = 4 priced plain decoding at 0.8x of that step instead of ~0.35x, so it never
     tried fewer drafts, and a prompt accepting 50% ran slower than plain (benchmarks/RESULTS.md, session 23);
@@ -116,11 +129,14 @@ class StepCosts:
         self.curve.record(k, seconds)
         if draft_seconds is not None:
             self.rest.record(k, max(0.0, seconds - draft_seconds))
-            if k > 0:
-                self.draft.record(k, draft_seconds)
+        if draft_seconds is not None and k > 0:
+            self.draft.record(k, draft_seconds)
+        else:
+            self.draft.tick()
 
     def draft_per_token(self) -> float:
-        """The drafting's measured seconds per draft token (the median over the k measured); 0 before any."""
+        """The drafting's measured seconds per draft token (the median over the k measured); 0 before any, and
+        again once no step has drafted for the curve's max_age steps (adaptive K then tries drafting again)."""
         points = self.draft.points
         return statistics.median(seconds / k for k, seconds in points.items()) if points else 0.0
 
@@ -211,16 +227,31 @@ class AcceptanceStats(_PositionCounts):
     def __init__(self, prior: AcceptancePrior | None = None) -> None:
         super().__init__(DECAY)
         self.prior = prior
+        self.steps_without_drafts = 0  # consecutive steps that drafted nothing (PROBE_INTERVAL)
 
     def update(self, proposed: int, accepted: int) -> None:
         super().update(proposed, accepted)
+        self.steps_without_drafts = self.steps_without_drafts + 1 if proposed == 0 else 0
         if self.prior is not None:
             self.prior.update(proposed, accepted)
 
+    @property
+    def due_for_probe(self) -> bool:
+        """Whether this request has gone PROBE_INTERVAL steps without drafting: its next step drafts one token."""
+        return self.steps_without_drafts >= PROBE_INTERVAL
+
     def rate(self, position: int) -> float:
-        accepted, reached = self.counts(position)
-        prior = PRIOR_ACCEPTANCE if self.prior is None else self.prior.rate(position)
-        return (accepted + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
+        # A position this request has rarely reached leans on what it showed one position earlier where that is
+        # better than the prior (acceptance by position is about flat or rising once a draft has been right, as
+        # for AcceptancePrior): a request accepting every single draft otherwise priced a second one at the
+        # prior, drafted one a step for good and never learned its depth (benchmarks/RESULTS.md, session 24).
+        rate = 0.0
+        for i in range(position + 1):
+            accepted, reached = self.counts(i)
+            prior = PRIOR_ACCEPTANCE if self.prior is None else self.prior.rate(i)
+            prior = max(prior, rate) if i else prior
+            rate = (accepted + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
+        return rate
 
     def expected_tokens(self, k: int) -> float:
         """E(k) = 1 + sum_{i<k} prod_{j<=i} a_j (speedup_model.expected_tokens_per_step, every step proposing k)."""
@@ -228,7 +259,8 @@ class AcceptanceStats(_PositionCounts):
 
 
 def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int) -> int:
-    """The k in [0, max_k] with the most expected tokens per second; max_k until costs are measured."""
+    """The k in [0, max_k] with the most expected tokens per second; max_k until costs are measured; one draft
+    (a probe) where that is 0 and the request is due for a probe (AcceptanceStats.due_for_probe)."""
     best_k, best_rate = max_k, 0.0
     for k in range(max_k + 1):
         seconds = costs.estimate(k)
@@ -237,7 +269,7 @@ def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int) -> int:
         rate = stats.expected_tokens(k) / seconds
         if rate > best_rate:
             best_k, best_rate = k, rate
-    return best_k
+    return min(1, max_k) if best_k == 0 and stats.due_for_probe else best_k
 
 
 class BatchCosts:
@@ -254,11 +286,17 @@ class BatchCosts:
     def record(self, rows: int, target_seconds: float, drafting: int, draft_forwards: int,
                draft_seconds: float | None) -> None:
         self.target.record(rows, target_seconds)
-        if draft_seconds is not None and drafting > 0:
-            if draft_forwards > 0:
-                self.draft_forward.record(drafting, draft_seconds / draft_forwards)
-            else:
-                self.lookup.record(1, draft_seconds / drafting)
+        # Each draft curve ages with every step (_Curve.tick), those that do not draft included.
+        drafted_by_model = draft_seconds is not None and drafting > 0 and draft_forwards > 0
+        drafted_by_lookup = draft_seconds is not None and drafting > 0 and draft_forwards == 0
+        if drafted_by_model:
+            self.draft_forward.record(drafting, draft_seconds / draft_forwards)
+        else:
+            self.draft_forward.tick()
+        if drafted_by_lookup:
+            self.lookup.record(1, draft_seconds / drafting)
+        else:
+            self.lookup.tick()
 
     def step_seconds(self, rows: int, max_k: int, drafting: int, model_draft: bool) -> float | None:
         target = self.target.estimate(rows, PRIOR_COST_SLOPE)
@@ -282,7 +320,8 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
     the acceptance rates up to it); candidates are taken best first (which keeps each sequence's positions in
     order, as those chances only fall), and the number taken is the one with the best tokens per second,
     where the step costs the target forward over all its rows plus the draft. Zero drafts when drafting would
-    slow the batch down; every cap while nothing has been measured (try the largest K, then learn)."""
+    slow the batch down; every cap while nothing has been measured (try the largest K, then learn); one draft for a
+    sequence due for a probe that would draft none (AcceptanceStats.due_for_probe)."""
     drafts_unmeasured = not (costs.draft_forward.points if model_draft else costs.lookup.points)
     if costs.step_seconds(base_rows, 0, 0, model_draft) is None or (drafts_unmeasured and any(caps)):
         return list(caps)
@@ -306,7 +345,12 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
     chosen = [0] * len(caps)
     for _, j, i in candidates[:best_m]:
         chosen[i] = max(chosen[i], j + 1)
-    return chosen
+    if not any(s.due_for_probe for s in stats):
+        return chosen
+    # A probe's draft forward costs the same for one sequence or several: the idle ones half-way to theirs probe
+    # in the same step, and from then on in step with each other.
+    return [min(1, cap) if k == 0 and s.steps_without_drafts >= PROBE_INTERVAL // 2 else k
+            for k, cap, s in zip(chosen, caps, stats)]
 
 
 def choose_tree_nodes(chances: list[list[float]], base_rows: int, costs: BatchCosts) -> list[int]:

@@ -51,6 +51,108 @@ def test_a_flat_fit_of_two_draft_lengths_does_not_price_plain_decoding_as_drafti
     assert choose_k(bad, costs, 4) == 0
 
 
+def test_a_draft_cost_measured_slow_is_forgotten_after_plain_steps():
+    """A busy minute measures drafting at 3x its cost: adaptive K stops drafting, and with it every measurement
+    of drafting. The draft's cost ages with the engine's steps, so after max_age plain steps it is forgotten
+    and a request that accepts well drafts again (before, it stayed at K = 0 for good)."""
+    costs = StepCosts(4)
+    for _ in range(9):
+        costs.record(0, 0.054, 0.0)
+        costs.record(2, 0.054 + 0.010 + 0.120, 0.120)  # 60 ms a draft token instead of 20
+    good = AcceptanceStats()
+    for _ in range(10):
+        good.update(2, 2)
+    assert choose_k(good, costs, 4) == 0
+    for step in range(adaptive._Curve().max_age + 1):
+        assert choose_k(good, costs, 4) == 0 or step >= adaptive._Curve().max_age - 1
+        costs.record(0, 0.054, 0.0)
+    assert costs.draft_per_token() == 0.0
+    assert choose_k(good, costs, 4) > 0
+
+
+def test_batch_draft_costs_age_with_steps_that_do_not_draft():
+    from quickdraft.adaptive import BatchCosts
+
+    costs = BatchCosts()
+    costs.record(3, 0.060, 2, 2, 0.500)  # a slow draft forward, once
+    for _ in range(adaptive._Curve().max_age + 1):
+        costs.record(1, 0.050, 0, 0, 0.0)
+    assert costs.draft_forward.points == {}
+    assert costs.lookup.points == {}
+    assert costs.target.points
+
+
+def test_a_request_at_k0_probes_one_draft_every_probe_interval_steps():
+    """Where the engine's prior (floored at 0.6) does not pay for a draft, decaying toward it never made a request
+    draft again: it now drafts one token after PROBE_INTERVAL steps without, and keeps drafting if that was
+    accepted."""
+    costs = StepCosts(4)
+    for _ in range(9):  # the Qwen pair on a 2-core CPU: a draft token ~30 ms beside a 54 ms plain step
+        costs.record(0, 0.054, 0.0)
+        costs.record(2, 0.115, 0.060)
+    stats = AcceptanceStats()  # the fixed prior, 0.6 a position
+    for _ in range(5):
+        stats.update(2, 0)
+    ks = []
+    for _ in range(2 * adaptive.PROBE_INTERVAL + 2):
+        k = choose_k(stats, costs, 4)
+        ks.append(k)
+        stats.update(k, 0)  # nothing is ever accepted
+    assert set(ks) == {0, 1}
+    assert [i for i, k in enumerate(ks) if k] == [adaptive.PROBE_INTERVAL, 2 * adaptive.PROBE_INTERVAL + 1]
+    assert choose_k(stats, costs, 0) == 0  # a sequence capped at 0 never probes
+    for _ in range(adaptive.PROBE_INTERVAL):
+        stats.update(0, 0)
+    assert choose_k(stats, costs, 4) == 1
+    stats.update(1, 1)  # the probe was accepted: the text turned easy
+    for _ in range(5):  # drafting on without waiting for the next probe
+        k = choose_k(stats, costs, 4)
+        assert k >= 1
+        stats.update(k, k)
+
+
+def test_batch_probes_are_taken_together():
+    from quickdraft.adaptive import BatchCosts, choose_batch_k
+
+    costs = BatchCosts()
+    for rows in (3, 6, 9):
+        for _ in range(3):
+            costs.record(rows, 0.050 + 0.010 * rows, 3, 3, 0.090)
+    stats = [AcceptanceStats() for _ in range(3)]
+    for s in stats:
+        for _ in range(10):
+            s.update(3, 0)
+    assert choose_batch_k(stats, [4, 4, 4], 3, costs, model_draft=True) == [0, 0, 0]
+    for _ in range(adaptive.PROBE_INTERVAL):
+        stats[0].update(0, 0)
+    for _ in range(adaptive.PROBE_INTERVAL // 2):
+        stats[1].update(0, 0)
+    for _ in range(adaptive.PROBE_INTERVAL // 2 - 1):
+        stats[2].update(0, 0)
+    assert choose_batch_k(stats, [4, 0, 4], 3, costs, model_draft=True) == [1, 0, 0]  # sequence 1 is capped
+    assert choose_batch_k(stats, [4, 4, 4], 3, costs, model_draft=True) == [1, 1, 0]
+
+
+def test_a_request_accepting_every_single_draft_tries_a_deeper_one():
+    """Position 1 never reached leans on this request's rate at position 0 where that beats the prior: at K = 1
+    with every draft accepted, a second draft is priced at ~that rate, not the prior's 0.6, and tried."""
+    costs = StepCosts(4)
+    for _ in range(9):
+        costs.record(0, 0.054, 0.0)
+        costs.record(1, 0.081, 0.027)
+        costs.record(2, 0.100, 0.054)
+    stats = AcceptanceStats()
+    for _ in range(20):
+        stats.update(1, 1)
+    assert stats.rate(1) == pytest.approx(stats.rate(0), abs=0.05) and stats.rate(1) > 0.9
+    assert choose_k(stats, costs, 4) >= 2
+    fails_second = AcceptanceStats()  # and where the second draft is measured to fail, its counts say so
+    for _ in range(20):
+        fails_second.update(2, 1)
+    assert fails_second.rate(0) > 0.9 and fails_second.rate(1) < 0.1
+    assert choose_k(fails_second, costs, 4) == 1
+
+
 def test_acceptance_counts_positions_reached():
     stats = AcceptanceStats()
     assert abs(stats.expected_tokens(0) - 1.0) < 1e-12
@@ -319,8 +421,9 @@ def _random_stats(count=6, seed=7):
 
 
 def test_expected_tokens_and_choices_are_the_same_to_the_last_bit():
-    """Adaptive K takes its formulas from quickdraft/speedup_model.py; its numbers and choices are those of its own
-    loops before (commit e56b434): E(k) accumulated left to right, and the same K picked for the same inputs."""
+    """Adaptive K takes its formulas from quickdraft/speedup_model.py: E(k) accumulated left to right as its own
+    loops did before (commit e56b434), and the same K picked for the same inputs. The pinned figures are those since
+    session 24, when a rarely reached position began to lean on the one before it (AcceptanceStats.rate)."""
     from quickdraft.adaptive import BatchCosts, choose_batch_k
 
     requests = _random_stats()
@@ -332,14 +435,14 @@ def test_expected_tokens_and_choices_are_the_same_to_the_last_bit():
                 total += survive
             assert stats.expected_tokens(k).hex() == total.hex()
     assert [stats.expected_tokens(4).hex() for stats in requests] == [
-        "0x1.21e0b5ffba7e6p+1", "0x1.4ccb2df545cf0p+1", "0x1.9215cedfe3a28p+1", "0x1.63d82affd36c0p+1",
-        "0x1.820a9b0cce428p+1", "0x1.7f2d3fba359fep+1"]
+        "0x1.236151dea9ce9p+1", "0x1.57c7699c87007p+1", "0x1.a56c7a84efd6ep+1", "0x1.6f35d62b71921p+1",
+        "0x1.8dc6514783cdep+1", "0x1.8ad5387e18201p+1"]
 
     step_costs = StepCosts(8)
     for k, seconds in [(0, 0.010), (2, 0.0112), (5, 0.0135), (8, 0.0171), (2, 0.0109)]:
         step_costs.record(k, seconds)
     assert [choose_k(stats, step_costs, max_k) for stats in requests for max_k in (1, 4, 8)] == \
-        [1, 3, 3, 1, 4, 4, 1, 4, 4, 1, 3, 3, 1, 4, 4, 1, 4, 5]
+        [1, 3, 3, 1, 4, 5, 1, 4, 5, 1, 3, 3, 1, 4, 5, 1, 4, 5]
 
     lookup, model = BatchCosts(), BatchCosts()
     for rows, seconds, drafting, forwards, draft_s in [(6, 0.03, 0, 0, None), (12, 0.033, 6, 0, 0.0012),
@@ -350,7 +453,7 @@ def test_expected_tokens_and_choices_are_the_same_to_the_last_bit():
         model.record(rows, seconds, drafting, forwards, draft_s)
     chosen = [choose_batch_k(requests, caps, 6, costs, model_draft) for caps in ([4] * 6, [8, 2, 0, 5, 3, 1])
               for costs, model_draft in ((lookup, False), (model, True))]
-    assert chosen == [[1, 2, 4, 2, 3, 4], [1, 2, 2, 2, 2, 1], [1, 2, 0, 2, 3, 1], [1, 2, 0, 2, 2, 1]]
+    assert chosen == [[1, 3, 4, 2, 3, 4], [1, 1, 2, 2, 2, 1], [1, 2, 0, 2, 3, 1], [1, 2, 0, 2, 2, 1]]
 
 
 # --- token trees ("tree": "auto") --------------------------------------------------------------------------------

@@ -36,3 +36,12 @@ def test_the_readme_names_the_methods_that_take_a_tree_and_the_flag():
     assert "`--tree auto`" in paragraph and '"tree": "auto"' in paragraph
     for method in tree_methods():
         assert f"`{method}`" in paragraph, method
+
+
+def test_the_readme_states_adaptive_ks_exploration_as_the_code_has_it():
+    """The probe interval and the age at which a draft cost is forgotten, as adaptive.py sets them."""
+    from quickdraft import adaptive
+
+    text = " ".join(README.split())
+    assert f"drafts one token every {adaptive.PROBE_INTERVAL} steps" in text
+    assert f"a draft cost not measured for {adaptive._Curve().max_age} steps is forgotten" in text

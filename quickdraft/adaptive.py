@@ -124,6 +124,7 @@ class StepCosts:
         self.curve = _Curve()
         self.rest = _Curve()   # the step less its drafting, by k
         self.draft = _Curve()  # the drafting alone, by k > 0
+        self.catch_up: deque[float] = deque(maxlen=9)  # seconds per history token a draft model read in a catch-up
 
     def record(self, k: int, seconds: float, draft_seconds: float | None = None) -> None:
         self.curve.record(k, seconds)
@@ -133,6 +134,17 @@ class StepCosts:
             self.draft.record(k, draft_seconds)
         else:
             self.draft.tick()
+
+    def record_catch_up(self, k: int, tokens: int, draft_seconds: float) -> None:
+        """A drafting step that first read `tokens` of history it had missed (a prompt, or a stretch at K = 0):
+        its drafting time less k draft tokens at their measured cost, per token read."""
+        if tokens > 0:
+            self.catch_up.append(max(0.0, draft_seconds - k * self.draft_per_token()) / tokens)
+
+    def catch_up_per_token(self) -> float:
+        """What a draft model takes to read one token of history it missed (median of the last catch-ups; 0 before
+        one was measured, when a catch-up is not priced)."""
+        return statistics.median(self.catch_up) if self.catch_up else 0.0
 
     def draft_per_token(self) -> float:
         """The drafting's measured seconds per draft token (the median over the k measured); 0 before any, and
@@ -258,18 +270,31 @@ class AcceptanceStats(_PositionCounts):
         return expected_tokens_per_step([self.rate(i) for i in range(k)], None, k)
 
 
-def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int) -> int:
+def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int, catch_up_s: float = 0.0,
+             remaining: int | None = None) -> int:
     """The k in [0, max_k] with the most expected tokens per second; max_k until costs are measured; one draft
-    (a probe) where that is 0 and the request is due for a probe (AcceptanceStats.due_for_probe)."""
+    (a probe) where that is 0 and the request is due for a probe (AcceptanceStats.due_for_probe).
+
+    catch_up_s: what the draft must read before it can draft (a long prompt's prefill: 3-4 s for the Qwen 0.5B on
+    ~700 tokens on 2 cores), paid once by the first drafting step and spread over the `remaining` tokens the
+    request may still generate (max_tokens: an upper bound, so this leans toward drafting). Every drafting k is
+    charged its share per expected token. A probe is taken only where drafting could pay even so if every draft
+    were accepted."""
+    share = catch_up_s / remaining if catch_up_s > 0 and remaining else 0.0
     best_k, best_rate = max_k, 0.0
     for k in range(max_k + 1):
         seconds = costs.estimate(k)
         if seconds is None:
             return max_k
-        rate = stats.expected_tokens(k) / seconds
+        tokens = stats.expected_tokens(k)
+        rate = tokens / (seconds + (tokens * share if k else 0.0))
         if rate > best_rate:
             best_k, best_rate = k, rate
-    return min(1, max_k) if best_k == 0 and stats.due_for_probe else best_k
+    if best_k or not stats.due_for_probe or max_k == 0:
+        return best_k
+    plain = costs.estimate(0)
+    could_pay = any((k + 1) / (costs.estimate(k) + (k + 1) * share) > 1 / plain for k in range(1, max_k + 1))
+    return 1 if could_pay else 0
 
 
 class BatchCosts:

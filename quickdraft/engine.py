@@ -130,8 +130,14 @@ class Engine:
         if not self.adaptive_k:
             return caps
         if len(seqs) == 1:
-            return [adaptive.choose_k(self._acceptance(seqs[0], kinds[0]), self.step_costs_of(kinds[0]), caps[0])
-                    if caps[0] > 0 else 0]
+            seq, kind = seqs[0], kinds[0]
+            if caps[0] == 0:
+                return [0]
+            costs = self.step_costs_of(kind)
+            # A model draft that has not read the prompt (or what it missed at K = 0) reads it first: priced.
+            unread = self.proposer.unread_history(seq) if kind == "model" else 0
+            return [adaptive.choose_k(self._acceptance(seq, kind), costs, caps[0],
+                                      unread * costs.catch_up_per_token(), seq.params.max_tokens - len(seq.output_ids))]
         base_rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs)
         return adaptive.choose_batch_k([self._acceptance(seq, kind) for seq, kind in zip(seqs, kinds)], caps,
                                        base_rows, self.batch_costs, "model" in kinds)
@@ -253,6 +259,8 @@ class Engine:
                 if len(seqs) == 1 and feed.numel() == k + 1 and not proposal.catch_up:
                     self.step_costs_of(kinds[index]).record(k if tree is None else chosen[index],
                                                             time.perf_counter() - t0, t1 - t0)
+                elif len(seqs) == 1 and proposal.catch_up and k > 0 and tree is None:
+                    self.step_costs_of(kinds[index]).record_catch_up(k, proposal.catch_up, t1 - t0)
             # The target's token ends the step as a bonus where nothing was left to verify after the accepted
             # drafts (all k of a chain; a tree path that ends at a leaf), else as a correction.
             bonus = n == k if tree is None else not tree.children(nodes[-1] + 1 if nodes else 0)

@@ -153,6 +153,49 @@ def test_a_request_accepting_every_single_draft_tries_a_deeper_one():
     assert choose_k(fails_second, costs, 4) == 1
 
 
+def _qwen_pair_costs() -> StepCosts:
+    """The Qwen 1.5B + 0.5B pair's one-sequence step costs on a 2-core CPU: a 54 ms plain step, ~10 ms a target
+    row, 24 ms a draft token (benchmarks/RESULTS.md, session 24)."""
+    costs = StepCosts(4)
+    for _ in range(3):
+        for k in range(5):
+            costs.record(k, 0.054 + k * (0.010 + 0.024), k * 0.024)
+    return costs
+
+
+def test_a_catch_up_is_paid_by_drafting_only_where_the_request_can_still_earn_it():
+    """A summarization prompt of ~700 tokens costs the draft ~3.4 s to read: with 128 tokens left, no acceptance
+    earns that back (plain decoding); with 2048 left it does. Nothing to read: drafting as before."""
+    costs = _qwen_pair_costs()
+    good = AcceptanceStats()
+    for _ in range(10):
+        good.update(4, 4)
+    assert choose_k(good, costs, 4) == 4
+    assert choose_k(good, costs, 4, catch_up_s=3.4, remaining=128) == 0
+    assert choose_k(good, costs, 4, catch_up_s=3.4, remaining=2048) == 4
+    assert choose_k(good, costs, 4, catch_up_s=0.0, remaining=128) == 4
+
+
+def test_a_probe_does_not_pay_a_catch_up_that_no_acceptance_could_earn():
+    costs = _qwen_pair_costs()
+    idle = AcceptanceStats()
+    for _ in range(5):
+        idle.update(2, 0)
+    for _ in range(adaptive.PROBE_INTERVAL):
+        idle.update(0, 0)
+    assert idle.due_for_probe
+    assert choose_k(idle, costs, 4) == 1
+    assert choose_k(idle, costs, 4, catch_up_s=3.4, remaining=100) == 0
+    assert choose_k(idle, costs, 4, catch_up_s=0.05, remaining=100) == 1  # a short stretch to catch up on
+
+
+def test_catch_up_cost_per_token_is_the_drafting_less_its_draft_tokens():
+    costs = _qwen_pair_costs()
+    assert costs.catch_up_per_token() == 0.0  # not measured: not priced
+    costs.record_catch_up(3, 700, 3 * 0.024 + 700 * 0.0056)
+    assert costs.catch_up_per_token() == pytest.approx(0.0056)
+
+
 def test_acceptance_counts_positions_reached():
     stats = AcceptanceStats()
     assert abs(stats.expected_tokens(0) - 1.0) < 1e-12

@@ -155,7 +155,7 @@ class Proposal:
     as one-hot at each token, which is exact.
     catch_up: how many tokens of history a draft model read before drafting beyond the one or two that
     follow its previous proposal (after plain steps it re-reads what it missed: a one-off cost that adaptive
-    K must not count as the price of drafting).
+    K must not count as the price of drafting; it is timed per token read instead, StepCosts.record_catch_up).
     tree: None for a chain; else a token_tree.TokenTree whose nodes are `tokens` (node order, parents first)
     and whose children modes say how they were chosen; probs is then [N, V_target], node i's row the draft's
     processed distribution at its PARENT's context (what its children were drawn or ranked from), or None
@@ -274,6 +274,12 @@ class Proposer(ABC):
         """The most tokens this proposer can draft for `seq` now (a draft model's context may end first; a
         lookup's prepared draft may be shorter)."""
         return 1 << 30
+
+    def unread_history(self, seq: "Sequence") -> int:
+        """How many tokens of seq's history a draft model has not read yet: its next drafting step reads them
+        first (a new prompt, or what it missed at K = 0), a one-off cost adaptive K weighs against what drafting
+        can still save (adaptive.choose_k's catch_up_s). 0 for drafts that read nothing (lookups)."""
+        return 0
 
     def propose_batch(self, seqs: "list[Sequence]", ks: list[int]) -> list[Proposal]:
         """Proposals for several sequences at once, at most ks[i] tokens for seqs[i] (0: none). Model drafts

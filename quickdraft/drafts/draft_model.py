@@ -156,6 +156,11 @@ class DraftModelProposer(Proposer):
         history = self.draft_history(seq)
         return self.runner.max_len - len(history) + 1 if history else 0
 
+    def unread_history(self, seq) -> int:
+        # The cache may also hold a few rejected drafts; the count is then short by at most K tokens.
+        state = seq.draft_state
+        return 0 if state is None else max(0, len(self.draft_history(seq)) - len(state.kv_cache))
+
     def propose(self, seq, k: int) -> Proposal:
         return self.propose_batch([seq], [k])[0]
 

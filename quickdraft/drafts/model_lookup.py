@@ -80,6 +80,9 @@ class ModelLookupProposer(Proposer):
     def draft_length(self, token_ids: list[int]) -> int:
         return self.model.draft_length(token_ids)
 
+    def unread_history(self, seq) -> int:
+        return self.model.unread_history(seq)
+
     def new_state(self, seq, lookup: SuffixState | None = None) -> ModelLookupState:
         """A fresh model state; `lookup`: the suffix doc of a preempted sequence, which goes on."""
         model = self.model.new_state(seq)

@@ -88,3 +88,22 @@ def test_a_prefix_draft_under_a_grammar_that_allows_none_of_its_ids_ends_its_dra
         for completion in out.outputs:  # cut at max_tokens: a prefix of the language (maybe half of an "ab")
             text = "".join(TARGET_PIECES[t] for t in completion.token_ids)
             assert re.fullmatch(regex + "a?", text), completion.token_ids
+
+
+def test_unread_history_is_the_prompt_until_the_draft_reads_it_and_adaptive_k_learns_its_cost():
+    """What the draft has not read (adaptive K prices reading it): the whole history until the first drafting step
+    (the first step reads the prompt into the target only), at most K rejected drafts' worth after it; the
+    catch-up's cost per token is measured on that drafting step."""
+    llm = _llm(adaptive=True)
+    scheduler = llm.new_scheduler()
+    scheduler.add_request("a", list(range(1, 30)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    proposer, costs = llm.engine.proposer, llm.engine.step_costs_of("model")
+    scheduler.step()
+    seq = scheduler.running[0][0].sequences[0]
+    assert proposer.unread_history(seq) == len(seq.token_ids) == 30
+    assert not costs.catch_up
+    scheduler.step()
+    assert seq.metrics.proposed_tokens > 0 and proposer.unread_history(seq) <= 3
+    assert len(costs.catch_up) == 1  # the drafting step that read the prompt: timed per token read
+    while scheduler.has_unfinished():
+        scheduler.step()

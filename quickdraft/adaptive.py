@@ -275,7 +275,7 @@ def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int, catch_up_s: f
     """The k in [0, max_k] with the most expected tokens per second; max_k until costs are measured; one draft
     (a probe) where that is 0 and the request is due for a probe (AcceptanceStats.due_for_probe).
 
-    catch_up_s: what the draft must read before it can draft (a long prompt's prefill: 3-4 s for the Qwen 0.5B on
+    catch_up_s: what the draft must read before it can draft (a long prompt's prefill: 2-4 s for the Qwen 0.5B on
     ~700 tokens on 2 cores), paid once by the first drafting step and spread over the `remaining` tokens the
     request may still generate (max_tokens: an upper bound, so this leans toward drafting). Every drafting k is
     charged its share per expected token. A probe is taken only where drafting could pay even so if every draft

@@ -252,22 +252,26 @@ class AcceptanceStats(_PositionCounts):
         """Whether this request has gone PROBE_INTERVAL steps without drafting: its next step drafts one token."""
         return self.steps_without_drafts >= PROBE_INTERVAL
 
-    def rate(self, position: int) -> float:
+    def rates(self, count: int) -> list[float]:
+        """The acceptance estimates of positions 0..count-1, in one pass (each leans on the one before it)."""
         # A position this request has rarely reached leans on what it showed one position earlier where that is
         # better than the prior (acceptance by position is about flat or rising once a draft has been right, as
         # for AcceptancePrior): a request accepting every single draft otherwise priced a second one at the
         # prior, drafted one a step for good and never learned its depth (benchmarks/RESULTS.md, session 24).
-        rate = 0.0
-        for i in range(position + 1):
+        rates: list[float] = []
+        for i in range(count):
             accepted, reached = self.counts(i)
             prior = PRIOR_ACCEPTANCE if self.prior is None else self.prior.rate(i)
-            prior = max(prior, rate) if i else prior
-            rate = (accepted + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
-        return rate
+            prior = max(prior, rates[-1]) if rates else prior
+            rates.append((accepted + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT))
+        return rates
+
+    def rate(self, position: int) -> float:
+        return self.rates(position + 1)[-1]
 
     def expected_tokens(self, k: int) -> float:
         """E(k) = 1 + sum_{i<k} prod_{j<=i} a_j (speedup_model.expected_tokens_per_step, every step proposing k)."""
-        return expected_tokens_per_step([self.rate(i) for i in range(k)], None, k)
+        return expected_tokens_per_step(self.rates(k), None, k)
 
 
 def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int, catch_up_s: float = 0.0,
@@ -281,19 +285,19 @@ def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int, catch_up_s: f
     charged its share per expected token. A probe is taken only where drafting could pay even so if every draft
     were accepted."""
     share = catch_up_s / remaining if catch_up_s > 0 and remaining else 0.0
+    seconds = [costs.estimate(k) for k in range(max_k + 1)]
+    if None in seconds:
+        return max_k
+    rates = stats.rates(max_k)  # once: E(k) reads its first k
     best_k, best_rate = max_k, 0.0
-    for k in range(max_k + 1):
-        seconds = costs.estimate(k)
-        if seconds is None:
-            return max_k
-        tokens = stats.expected_tokens(k)
-        rate = tokens / (seconds + (tokens * share if k else 0.0))
+    for k, step in enumerate(seconds):
+        tokens = expected_tokens_per_step(rates[:k], None, k)
+        rate = tokens / (step + (tokens * share if k else 0.0))
         if rate > best_rate:
             best_k, best_rate = k, rate
     if best_k or not stats.due_for_probe or max_k == 0:
         return best_k
-    plain = costs.estimate(0)
-    could_pay = any((k + 1) / (costs.estimate(k) + (k + 1) * share) > 1 / plain for k in range(1, max_k + 1))
+    could_pay = any((k + 1) / (seconds[k] + (k + 1) * share) > 1 / seconds[0] for k in range(1, max_k + 1))
     return 1 if could_pay else 0
 
 
@@ -352,7 +356,7 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
         return list(caps)
     candidates = []
     for i, (s, cap) in enumerate(zip(stats, caps)):
-        for j, chance in enumerate(acceptance_chain([s.rate(position) for position in range(cap)], cap)):
+        for j, chance in enumerate(acceptance_chain(s.rates(cap), cap)):
             candidates.append((-chance, j, i))
     candidates.sort()
     ks = [0] * len(caps)

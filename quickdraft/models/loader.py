@@ -20,6 +20,7 @@ import torch
 
 from quickdraft.errors import ModelNotFoundError, QuickdraftError
 from quickdraft.kernels import cpu_has_bf16
+from quickdraft.models import huge_pages
 from quickdraft.models.config import get_text_config
 from quickdraft.models.sources import (  # noqa: F401 (re-exported: where users and tests have looked)
     ALIASES, DEFAULT_MODEL, QWEN_CODER_0_5B, QWEN_CODER_1_5B, Alias, ModelSource, PartedGGUF, cache_root, check_gguf,
@@ -234,6 +235,7 @@ def _load_direct(source: ModelSource, dtype: torch.dtype):
         # Kept as made (swapping them for the file just written would hold both until the allocator returns
         # the freed pages: 1.7x the file's size at the peak, measured); the next load maps the file.
         _write_packed_cache(weights, cached)
+    huge_pages.move_into_huge_pages(weights)  # after the cache is written: the bytes are the same
     return model, tokenizer, weights
 
 
@@ -282,10 +284,10 @@ def quantized_weights(source: ModelSource, model, dtype: torch.dtype, device: to
         return None
     cached = _packed_cache(source)
     weights = _read_packed_cache(cached)
-    if weights is not None:
-        return weights
-    weights = gguf_weights.read(source.gguf_path, get_text_config(model.config))
-    _write_packed_cache(weights, cached)
+    if weights is None:
+        weights = gguf_weights.read(source.gguf_path, get_text_config(model.config))
+        _write_packed_cache(weights, cached)
+    huge_pages.move_into_huge_pages(weights)
     return weights
 
 

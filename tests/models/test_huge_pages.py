@@ -23,7 +23,7 @@ def _weights(sizes: list[int]) -> QuantizedWeights:
 
 
 def test_the_matrices_move_into_one_arena_with_their_bytes(monkeypatch):
-    monkeypatch.delenv("QUICKDRAFT_HUGE_PAGES", raising=False)
+    monkeypatch.setenv("QUICKDRAFT_HUGE_PAGES", "1")
     if huge_pages.available() is not None:
         pytest.skip(f"no huge pages here: {huge_pages.available()}")
     weights = _weights([1_500_000, 700_000, 2_300_000])
@@ -44,14 +44,18 @@ def test_the_matrices_move_into_one_arena_with_their_bytes(monkeypatch):
     assert torch.equal(weights.get(2, "down").packed[:1], weights.get(2, "down").packed[:1].clone())
 
 
-def test_the_switch_and_small_models_keep_them_as_loaded(monkeypatch):
+def test_off_by_default_and_small_models_keep_them_as_loaded(monkeypatch):
     weights = _weights([1_500_000, 700_000, 2_300_000])
     addresses = [w.packed.data_ptr() for w in weights.named().values()]
-    monkeypatch.setenv("QUICKDRAFT_HUGE_PAGES", "0")
-    assert huge_pages.available() == "QUICKDRAFT_HUGE_PAGES=0"
-    assert not huge_pages.move_into_huge_pages(weights)
-    assert [w.packed.data_ptr() for w in weights.named().values()] == addresses
-    monkeypatch.delenv("QUICKDRAFT_HUGE_PAGES")
+    for setting in (None, "0"):  # off unless asked for
+        if setting is None:
+            monkeypatch.delenv("QUICKDRAFT_HUGE_PAGES", raising=False)
+        else:
+            monkeypatch.setenv("QUICKDRAFT_HUGE_PAGES", setting)
+        assert "QUICKDRAFT_HUGE_PAGES=1" in huge_pages.available()
+        assert not huge_pages.move_into_huge_pages(weights)
+        assert [w.packed.data_ptr() for w in weights.named().values()] == addresses
+    monkeypatch.setenv("QUICKDRAFT_HUGE_PAGES", "1")
     small = _weights([100_000])  # under one huge page in all: nothing to gain
     address = small.get(0, "down").packed.data_ptr()
     assert not huge_pages.move_into_huge_pages(small)
@@ -59,7 +63,7 @@ def test_the_switch_and_small_models_keep_them_as_loaded(monkeypatch):
 
 
 def test_a_kernel_without_transparent_huge_pages_is_said_so(monkeypatch, tmp_path):
-    monkeypatch.delenv("QUICKDRAFT_HUGE_PAGES", raising=False)
+    monkeypatch.setenv("QUICKDRAFT_HUGE_PAGES", "1")
     setting = tmp_path / "enabled"
     setting.write_text("always madvise [never]\n")
     monkeypatch.setattr(huge_pages, "_THP_SETTING", setting)
@@ -68,3 +72,16 @@ def test_a_kernel_without_transparent_huge_pages_is_said_so(monkeypatch, tmp_pat
     monkeypatch.setattr(huge_pages, "_THP_SETTING", tmp_path / "missing")
     if huge_pages.sys.platform.startswith("linux"):
         assert "no transparent huge pages" in huge_pages.available()
+
+
+def test_an_embedding_apart_from_the_head_stays(monkeypatch):
+    monkeypatch.setenv("QUICKDRAFT_HUGE_PAGES", "1")
+    if huge_pages.available() is not None:
+        pytest.skip(f"no huge pages here: {huge_pages.available()}")
+    weights = _weights([1_500_000, 2_300_000])
+    weights.output = QuantizedWeight(torch.zeros(40, 1, 34, dtype=torch.uint8), Q8_0, 640, 32)
+    weights.tied = False
+    embedding, head = weights.embedding.packed.data_ptr(), weights.output.packed.data_ptr()
+    assert huge_pages.move_into_huge_pages(weights)
+    assert weights.embedding.packed.data_ptr() == embedding  # only looked up
+    assert weights.output.packed.data_ptr() != head  # streamed every step

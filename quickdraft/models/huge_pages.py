@@ -54,15 +54,16 @@ def move_into_huge_pages(weights) -> bool:
     """Point each matrix of `weights` (models/gguf_weights.QuantizedWeights) that a step streams at a copy of its
     packed bytes in one huge-page arena (an embedding apart from the output head stays: a step gathers a few of
     its rows). Returns whether it did (False: not available here, or under one huge page in all)."""
+    reason = available()
+    if reason is not None:
+        log.info("packed weights stay in 4 KB pages: %s", reason)
+        return False
     streamed = weights.named()
     if weights.output is not None or not weights.tied:  # an embedding that is not the head: a few rows a step
         streamed.pop("embedding", None)
     matrices = [w for w in streamed.values() if w.packed.device.type == "cpu"]
     total = sum(_padded(w.packed) for w in matrices)
-    reason = available()
-    if reason is not None or total < HUGE_PAGE:
-        if reason is not None:
-            log.info("packed weights stay in 4 KB pages: %s", reason)
+    if total < HUGE_PAGE:
         return False
     arena = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -75,8 +76,7 @@ def move_into_huge_pages(weights) -> bool:
     memory = torch.frombuffer(arena, dtype=torch.uint8)
     at = (-memory.data_ptr()) % HUGE_PAGE  # the arena's first 2 MB boundary
     for w in matrices:
-        size = w.packed.numel() * w.packed.element_size()
-        view = memory[at:at + size].view(w.packed.dtype).view(w.packed.shape)
+        view = memory[at:at + w.packed.nbytes].view(w.packed.dtype).view(w.packed.shape)
         view.copy_(w.packed)
         w.packed = view  # the original (a file mapping or an allocation) is released here
         at += _padded(view)
@@ -84,5 +84,4 @@ def move_into_huge_pages(weights) -> bool:
 
 
 def _padded(t: torch.Tensor) -> int:
-    size = t.numel() * t.element_size()
-    return (size + _ALIGN - 1) // _ALIGN * _ALIGN
+    return (t.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN

@@ -152,13 +152,15 @@ def load_for_runner(source: ModelSource, dtype: torch.dtype, device: torch.devic
     file's blocks (keep_quantized, the CPU, a quantized kernel for dtype: see kernels.quant_kernels; an
     architecture it has), the model is read straight from the file (models/gguf_loader: a skeleton whose
     packed matrices stay on the meta device, resident memory near the file's size); elsewhere the
-    transformers path (load, then quantized_weights)."""
-    if keep_quantized and _keeps_blocks(source, dtype, device):
-        direct = _load_direct(source, dtype)
-        if direct is not None:
-            return direct
-    model, tokenizer = load(source, dtype, device, trust_remote_code)
-    return model, tokenizer, quantized_weights(source, model, dtype, device) if keep_quantized else None
+    transformers path (load, then quantized_weights). Either way the packed matrices go into huge pages where
+    QUICKDRAFT_HUGE_PAGES=1 asks (models/huge_pages)."""
+    loaded = _load_direct(source, dtype) if keep_quantized and _keeps_blocks(source, dtype, device) else None
+    if loaded is None:
+        model, tokenizer = load(source, dtype, device, trust_remote_code)
+        loaded = model, tokenizer, quantized_weights(source, model, dtype, device) if keep_quantized else None
+    if loaded[2] is not None:  # after any cache is written: the bytes stay the same
+        huge_pages.move_into_huge_pages(loaded[2])
+    return loaded
 
 
 def _keeps_blocks(source: ModelSource, dtype: torch.dtype, device: torch.device) -> bool:
@@ -235,7 +237,6 @@ def _load_direct(source: ModelSource, dtype: torch.dtype):
         # Kept as made (swapping them for the file just written would hold both until the allocator returns
         # the freed pages: 1.7x the file's size at the peak, measured); the next load maps the file.
         _write_packed_cache(weights, cached)
-    huge_pages.move_into_huge_pages(weights)  # after the cache is written: the bytes are the same
     return model, tokenizer, weights
 
 
@@ -284,10 +285,10 @@ def quantized_weights(source: ModelSource, model, dtype: torch.dtype, device: to
         return None
     cached = _packed_cache(source)
     weights = _read_packed_cache(cached)
-    if weights is None:
-        weights = gguf_weights.read(source.gguf_path, get_text_config(model.config))
-        _write_packed_cache(weights, cached)
-    huge_pages.move_into_huge_pages(weights)
+    if weights is not None:
+        return weights
+    weights = gguf_weights.read(source.gguf_path, get_text_config(model.config))
+    _write_packed_cache(weights, cached)
     return weights
 
 

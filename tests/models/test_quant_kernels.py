@@ -165,7 +165,7 @@ def test_two_digit_activations_are_within_2e_16_of_the_block_max(qtype):
 @pytest.mark.parametrize("qtype", TYPES, ids=[quant.NAMES[t] for t in TYPES])
 def test_rows_are_computed_alike_whatever_the_call(qtype, name, x_dtype):
     """A row's outputs are bitwise the same alone, among 2..64 rows, and inside prefill-sized calls (the kernels'
-    few-row and many-row tilings, odd output groups, several threads)."""
+    few-row and many-row tilings: four or two groups a tile and the groups left over, several threads)."""
     block = quant.LAYOUT[qtype][0]
     rows, cols = 80, 2 * block  # 5 groups of 16 outputs: a 4-group tile and a remainder
     packed = quant.pack(quant.decode(random_blocks(qtype, rows, cols, seed=3), qtype, cols))

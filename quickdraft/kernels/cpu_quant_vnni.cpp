@@ -417,27 +417,27 @@ void tile(const Activations& a, int64_t m0, const uint8_t* w, int64_t group_byte
 // 1, one row int8x32 27.6 -> 21.6 ms, int16 31.1 -> 24.8; two rows 28.9 -> 21.9, 32.7 -> 25.4 (4 rows, one group
 // a tile already, took 26.3 / 28.4: the four streams were slower, not the compute). QUICKDRAFT_QUANT_FEW_ROW_GROUPS
 // = 1 or 4 overrides (to measure both on another CPU). Either way a row's bits are the same.
+// Groups a tile as the environment variable `name` says (1 or `intel`), else `intel` on Intel and 1 on AMD.
+int groups_a_tile(const char* name, int intel) {
+  const char* env = std::getenv(name);
+  if (env && (std::string(env) == "1" || std::string(env) == std::to_string(intel))) return std::atoi(env);
+  return __builtin_cpu_is("amd") ? 1 : intel;
+}
+
 int few_row_groups() {
-  static const int groups = [] {
-    const char* env = std::getenv("QUICKDRAFT_QUANT_FEW_ROW_GROUPS");
-    if (env && (std::string(env) == "1" || std::string(env) == "4")) return std::atoi(env);
-    return __builtin_cpu_is("amd") ? 1 : 4;
-  }();
+  static const int groups = groups_a_tile("QUICKDRAFT_QUANT_FEW_ROW_GROUPS", 4);
   return groups;
 }
 
 // Groups a tile of three rows or more: 2 on Intel, 1 on AMD. Two groups a tile share each activation broadcast
 // between two dot products and keep two streams of weights in flight. Measured on an Intel Xeon (Emerald Rapids,
 // no AMX, session 26): in cache, one thread, every type, int8x32 and int16, 3 to 16 rows, 0.80-0.95x the time
-// of one group a tile (median of per-round ratios); the Qwen 1.5B forward after 256 cached, 2 threads, 8 rows
-// int16 0.88 / 0.95x, int8x32 0.90 / 1.01x in two runs (3-5 rows within +-5%). Not measured on AMD, where more
-// streams a thread were slower for one row (above): 1 there. QUICKDRAFT_QUANT_MANY_ROW_GROUPS = 1 or 2 overrides.
+// of one group a tile (median of per-round ratios); the Qwen 1.5B forward after 256 cached, 2 threads, int16,
+// 15 rounds, 4 / 5 / 8 / 16 rows 0.98 / 0.95 / 0.92 / 0.89x (benchmarks/RESULTS.md). Not measured on AMD, where
+// more streams a thread were slower for one row (above): 1 there. QUICKDRAFT_QUANT_MANY_ROW_GROUPS = 1 or 2
+// overrides.
 int many_row_groups() {
-  static const int groups = [] {
-    const char* env = std::getenv("QUICKDRAFT_QUANT_MANY_ROW_GROUPS");
-    if (env && (std::string(env) == "1" || std::string(env) == "2")) return std::atoi(env);
-    return __builtin_cpu_is("amd") ? 1 : 2;
-  }();
+  static const int groups = groups_a_tile("QUICKDRAFT_QUANT_MANY_ROW_GROUPS", 2);
   return groups;
 }
 

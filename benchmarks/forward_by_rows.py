@@ -7,7 +7,7 @@ on the AVX2 quantized kernels (float32 activations), their one scheme.
     .venv/bin/python benchmarks/forward_by_rows.py [MODEL] [--rows 1,2,4,5,8,9,12,16,24,32] [--rounds 7]
         [--kernels int16,int8x32] [--residual float32,bf16]
 
---kernels interleaves quantized kernels (activation schemes) round by round too (default: the one in use);
+--kernels interleaves quantized kernels (activation schemes) round by round too (default: the model's own);
 --residual the residual stream's dtype (float32 is a GGUF model's default since session 21; bf16 as before).
 
 Run it with nothing else running: the machine's bandwidth and other processes move every figure.
@@ -45,8 +45,10 @@ def main() -> None:
     if module is None:
         raise SystemExit("needs quickdraft's CPU kernels (an AVX512-BF16 CPU, or AVX2 for a GGUF file's blocks)")
     rows = [int(r) for r in args.rows.split(",")]
-    kernel_before = module.quant_kernel()
-    schemes = args.kernels.split(",") if args.kernels else [kernel_before]
+    # The model's kernel (its family's choice, or QUICKDRAFT_QUANT_KERNEL's override) unless --kernels names others;
+    # each is run as an override, and the override before is restored at the end.
+    schemes = args.kernels.split(",") if args.kernels else [module.quant_kernel(getattr(runner, "quant_kernel", ""))]
+    kernel_before = module.set_quant_kernel(schemes[0])
     amx = avx512 and (module.set_quant_amx(True) or module.quant_amx())
     dtypes = {"float32": torch.float32, "bf16": torch.bfloat16}
     residuals = args.residual.split(",") if args.residual else [

@@ -42,7 +42,8 @@ def main() -> None:
         if runners[dtype]._cpu_kernels is None or runners[dtype]._native_decoder() is None:
             raise SystemExit("this profile needs quickdraft's CPU kernels (an AVX512-BF16 CPU)")
     module = runners[next(iter(runners))]._cpu_kernels
-    quant_kernels = args.kernels.split(",") if args.kernels else [module.quant_kernel()]
+    first = runners[next(iter(runners))]
+    quant_kernels = args.kernels.split(",") if args.kernels else [module.quant_kernel(first.quant_kernel)]
     ids = torch.randint(0, 1000, (args.context + args.tokens,), generator=torch.Generator().manual_seed(0))
     caches = {}
     for dtype, runner in runners.items():

@@ -41,7 +41,7 @@ def main() -> None:
         variants += [("int8", False), ("int8x32", False), ("int16", False)]
         if module.set_quant_amx(True) or module.quant_amx():
             variants += [("int8", True), ("int8x32", True), ("int16", True)]
-    kernel_before, amx_before, amx_rows_before = module.quant_kernel(), module.quant_amx(), module.set_quant_amx_rows(1)
+    kernel_before, amx_before, amx_rows_before = module.set_quant_kernel(""), module.quant_amx(), module.set_quant_amx_rows(1)
     print(f"ns a weight and row (fastest of {args.repeats}), {args.threads} thread(s), K = {args.cols}, "
           f"rows {'/'.join(map(str, row_counts))}")
     try:

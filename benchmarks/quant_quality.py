@@ -71,7 +71,7 @@ def main() -> None:
     totals = {name: [0, 0.0] for name in engines}
     kl_per_prompt: dict[str, list[float]] = {name: [] for name in engines}
     positions = 0
-    before = module.quant_kernel()
+    before = module.set_quant_kernel("")  # the override before ("": none), restored below
     try:
         for ids in ids_list:
             tokens = torch.tensor(ids)

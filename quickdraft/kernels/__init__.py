@@ -111,6 +111,18 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def model_quant_kernel(preferred: str | None) -> str:
+    """The quantized kernel a model whose family prefers `preferred` (models/families.py) asks its GGUF blocks
+    for: `preferred` on CPUs whose AVX-512 kernels load and have VNNI but no usable AMX tiles, "" (the kernels'
+    default, int16) elsewhere. Where AMX tiles run, calls of 8 rows or more take them with int16 only, and one-digit
+    schemes were measured on CPUs without them (benchmarks/RESULTS.md, session 27). QUICKDRAFT_QUANT_KERNEL
+    overrides every model's choice (kernels/cpu_quant.cpp)."""
+    module = cpu_linear()
+    if not preferred or module is None or "avx512_vnni" not in _cpu_flags():
+        return ""
+    return "" if "amx_int8" in _cpu_flags() and module.amx_available() else preferred
+
+
 def cpu_quant_avx2():
     """The AVX2 quantized-linear module, or None (another CPU, no compiler, QUICKDRAFT_NO_KERNELS=1)."""
     if "cpu_quant_avx2" in _state:

@@ -15,9 +15,9 @@
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool use_amx);
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
 torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
-                           const std::vector<int64_t>& types, bool float_output = false);
+                           const std::vector<int64_t>& types, bool float_output, const std::string& kernel_name);
 torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& rows, int64_t K);
-std::string get_quant_kernel();
+std::string get_quant_kernel(const std::string& model_kernel);
 std::string set_quant_kernel(const std::string& name);
 bool get_quant_amx();
 bool set_quant_amx(bool on);
@@ -47,26 +47,28 @@ namespace {
 using OptionalTensor = std::optional<torch::Tensor>;
 // A linear layer as Python's quickdraft.models.native.Linear holds it: packed weight, int8 scales or none,
 // bias or none, the number of real outputs (the packed weight is padded to a multiple of 16), and for
-// GGUF-quantized layers the packed parts and their types instead of the weight.
+// GGUF-quantized layers the packed parts, their types and the model's quantized kernel ("" for none) instead of
+// the weight.
 using LinearSpec = std::tuple<torch::Tensor, OptionalTensor, OptionalTensor, int64_t, std::vector<torch::Tensor>,
-                              std::vector<int64_t>>;
+                              std::vector<int64_t>, std::string>;
 
 struct Linear {
   torch::Tensor weight, scales, bias;
   int64_t out = 0;
   std::vector<torch::Tensor> parts;
   std::vector<int64_t> types;
+  std::string kernel;
 
   explicit Linear(const LinearSpec& spec)
       : weight(std::get<0>(spec)), scales(std::get<1>(spec).value_or(torch::Tensor())),
         bias(std::get<2>(spec).value_or(torch::Tensor())), out(std::get<3>(spec)), parts(std::get<4>(spec)),
-        types(std::get<5>(spec)) {}
+        types(std::get<5>(spec)), kernel(std::get<6>(spec)) {}
 
   // float_output: float32 y where the weight is GGUF blocks (their kernels sum in float32), for a float32
   // residual stream; other weights read bf16 rows and return bf16 (a float32 stream widens it as it adds).
   torch::Tensor operator()(const torch::Tensor& x, bool float_output = false) const {
     if (parts.empty() && x.scalar_type() != at::kBFloat16) return (*this)(x.to(at::kBFloat16), float_output);
-    torch::Tensor y = !parts.empty()    ? linear_quant(x, parts, types, float_output)
+    torch::Tensor y = !parts.empty()    ? linear_quant(x, parts, types, float_output, kernel)
                       : scales.defined() ? linear_int8(x, weight, scales)
                                          : linear_bf16(x, weight, true);
     if (y.size(1) != out) y = y.narrow(1, 0, out).contiguous();
@@ -211,11 +213,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8", &linear_int8, "y = (x w^T) * scales, int8 weights, batch-invariant below 32 rows (AMX from there)");
   m.def("linear_quant", &linear_quant, "y = x [W_0; W_1; ...]^T on GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
         "Q4_K, Q5_K, Q6_K) packed by quickdraft.kernels.quant, batch-invariant; bf16, or float32 if float_output",
-        py::arg("x"), py::arg("weights"), py::arg("types"), py::arg("float_output") = false);
-  m.def("quant_kernel", &get_quant_kernel, "the quantized linear kernel in use: bf16, int8, int8x32 or int16 "
-        "(integer digits an activation, AVX512-VNNI)");
-  m.def("set_quant_kernel", &set_quant_kernel, "choose the quantized linear kernel (bf16, int8, int8x32, int16); returns the "
-        "one before");
+        py::arg("x"), py::arg("weights"), py::arg("types"), py::arg("float_output") = false,
+        py::arg("kernel") = "");
+  m.def("quant_kernel", &get_quant_kernel, "the quantized linear kernel a call runs for a model that chose `kernel` "
+        "(\"\": none): bf16, int8, int8x32 or int16 (integer digits an activation, AVX512-VNNI)",
+        py::arg("kernel") = "");
+  m.def("set_quant_kernel", &set_quant_kernel, "override every model's quantized linear kernel (bf16, int8, int8x32, "
+        "int16; \"\" removes the override); returns the override before (\"\" for none)");
   m.def("quant_amx", &get_quant_amx, "whether the integer quantized kernels run calls of many rows on AMX-INT8 tiles");
   m.def("set_quant_amx", &set_quant_amx, "AMX-INT8 tiles for calls of many rows on (where the CPU has them) or off; "
         "returns the setting before");

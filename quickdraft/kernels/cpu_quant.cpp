@@ -252,16 +252,19 @@ struct Part {
   int64_t type, groups, column;  // column: its first output in y
 };
 
-// Which kernel linear_quant runs (process-wide: it decides the model's numerics, as a dtype does). kInt8: one
-// int8 digit an activation, a scale per weight block (256 for the K-quants: llama.cpp's Q8_K way); kInt8x32: one
-// digit, a scale per 32 activations for every type (llama.cpp's Q8_0 way); kInt16: two digits, a scale per weight
-// block (cpu_quant_vnni.cpp); kBf16: bf16 activations and codes (this file).
+// Which kernel linear_quant runs: it decides a model's numerics, as a dtype does. kInt8: one int8 digit an
+// activation, a scale per weight block (256 for the K-quants: llama.cpp's Q8_K way); kInt8x32: one digit, a scale
+// per 32 activations for every type (llama.cpp's Q8_0 way); kInt16: two digits, a scale per weight block
+// (cpu_quant_vnni.cpp); kBf16: bf16 activations and codes (this file). A call names its model's kernel (the
+// runner's choice by family, models/families.py; "" for none); a process-wide override (QUICKDRAFT_QUANT_KERNEL,
+// or set_quant_kernel for tests and benchmarks) beats it; without either, the default.
 constexpr int kBf16 = 0, kInt8 = 1, kInt16 = 2, kInt8x32 = 3, kKernels = 4;
 constexpr const char* kKernelNames[] = {"bf16", "int8", "int16", "int8x32"};
 // The default where the CPU has VNNI: int16, whose quality matched llama.cpp's where int8's did not (RESULTS.md,
 // session 13: next-token agreement and KL against the float32 model); int8 costs 0.6x its compute at 8 rows.
 constexpr int kDefaultKernel = kInt16;
-std::atomic<int> quant_kernel{-1};  // -1: not chosen yet
+constexpr int kUnread = -2, kNone = -1;
+std::atomic<int> quant_override{kUnread};  // kUnread: QUICKDRAFT_QUANT_KERNEL not read yet; kNone: no override
 
 int kernel_by_name(const std::string& name) {
   for (int k = 0; k < kKernels; ++k)
@@ -270,41 +273,55 @@ int kernel_by_name(const std::string& name) {
   return kBf16;
 }
 
-int quant_kernel_in_use() {
-  int k = quant_kernel.load();
-  if (k < 0) {  // QUICKDRAFT_QUANT_KERNEL chooses; else the default where the CPU can run it
+int checked_kernel(const std::string& name, const char* what) {
+  const int k = kernel_by_name(name);
+  TORCH_CHECK(k == kBf16 || quant_vnni_available(), what, name,
+              " needs AVX512-VNNI, which this CPU lacks (use bf16)");
+  return k;
+}
+
+int override_in_use() {
+  int k = quant_override.load();
+  if (k == kUnread) {
     const char* env = std::getenv("QUICKDRAFT_QUANT_KERNEL");
-    k = env && *env ? kernel_by_name(env) : (quant_vnni_available() ? kDefaultKernel : kBf16);
-    TORCH_CHECK(k == kBf16 || quant_vnni_available(), "QUICKDRAFT_QUANT_KERNEL=", env,
-                " needs AVX512-VNNI, which this CPU lacks (use bf16)");
-    quant_kernel.store(k);
+    k = env && *env ? checked_kernel(env, "QUICKDRAFT_QUANT_KERNEL=") : kNone;
+    int expected = kUnread;
+    if (!quant_override.compare_exchange_strong(expected, k)) k = expected;  // set_quant_kernel came first
   }
   return k;
 }
 
+// The kernel a call runs whose model chose `model_kernel` ("" for none).
+int kernel_for(const std::string& model_kernel) {
+  const int k = override_in_use();
+  if (k != kNone) return k;
+  if (!model_kernel.empty()) return checked_kernel(model_kernel, "the model's quantized kernel ");
+  return quant_vnni_available() ? kDefaultKernel : kBf16;
+}
+
 }  // namespace
 
-// The quantized kernel linear_quant runs ("bf16", "int8", "int8x32", "int16"); set_quant_kernel(name) chooses another and
-// returns the one before. The integer kernels need AVX512-VNNI.
-std::string get_quant_kernel() { return kKernelNames[quant_kernel_in_use()]; }
+// The quantized kernel a call of linear_quant runs for a model that chose `model_kernel` ("" for none: the
+// default); set_quant_kernel(name) overrides every model's choice ("" removes the override) and returns the
+// override before ("" for none). The integer kernels need AVX512-VNNI.
+std::string get_quant_kernel(const std::string& model_kernel) { return kKernelNames[kernel_for(model_kernel)]; }
 std::string set_quant_kernel(const std::string& name) {
-  const std::string before = get_quant_kernel();
-  const int k = kernel_by_name(name);
-  TORCH_CHECK(k == kBf16 || quant_vnni_available(), "the ", name, " quantized kernel needs AVX512-VNNI, which this CPU lacks");
-  quant_kernel.store(k);
-  return before;
+  const int before = override_in_use();
+  quant_override.store(name.empty() ? kNone : checked_kernel(name, "the quantized kernel "));
+  return before == kNone ? "" : kKernelNames[before];
 }
 
 // y = x [W_0; W_1; ...]^T: the outputs of several quantized weights (each its own type) side by side, as a fused
 // q|k|v or gate|up projection whose parts GGUF stores in different types. x: [M, K] bf16 or float32; weights[i]: packed
 // [N_i/16, K/SB_i, chunk_i] uint8 of GGML type types[i]. Returns [M, sum N_i] bf16, or float32 if float_output
-// (logits: rounded to bf16, near-ties of the largest logits become ties).
+// (logits: rounded to bf16, near-ties of the largest logits become ties). kernel_name: the model's quantized kernel,
+// "" for none (kernel_for says which runs).
 torch::Tensor linear_quant(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
-                           const std::vector<int64_t>& types, bool float_output) {
+                           const std::vector<int64_t>& types, bool float_output, const std::string& kernel_name) {
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat) &&
               x_in.is_contiguous() && x_in.device().is_cpu(), "x must be a contiguous 2-d bf16 or float32 CPU tensor");
   // float32 x: the integer kernels quantize it as it is; the bf16 kernel reads it rounded to bf16.
-  const int kernel = quant_kernel_in_use();
+  const int kernel = kernel_for(kernel_name);
   const torch::Tensor x = kernel == kBf16 ? x_in.to(at::kBFloat16) : x_in;
   TORCH_CHECK(!weights.empty() && weights.size() == types.size(), "one type per quantized weight");
   const int64_t M = x.size(0), K = x.size(1);

@@ -332,9 +332,12 @@ bool quant_avx2_available() {
 
 // y = x [W_0; W_1; ...]^T as cpu_quant.cpp's linear_quant: x [M, K] float32 or bf16, weights[i] packed [N_i/16,
 // K/SB_i, chunk_i] uint8 of GGML type types[i]; y [M, sum N_i] float32 if float_output or x is float32, else bf16.
+// kernel_name: the model's quantized kernel, "" (none) or int8x32, the one this module computes.
 torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
-                           const std::vector<int64_t>& types, bool float_output) {
+                           const std::vector<int64_t>& types, bool float_output, const std::string& kernel_name) {
   TORCH_CHECK(quant_avx2_available(), "this CPU lacks AVX2, FMA or F16C, which quickdraft's AVX2 kernels need");
+  TORCH_CHECK(kernel_name.empty() || kernel_name == "int8x32", "the quantized kernel '", kernel_name,
+              "' needs AVX-512 (AVX512-BF16 or AVX512-VNNI), which this CPU lacks; its AVX2 kernels compute int8x32");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous() &&
                   x.device().is_cpu(),
               "x must be a contiguous 2-d float32 or bf16 CPU tensor");
@@ -382,7 +385,7 @@ torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tens
 }
 
 // The one scheme this module computes (cpu_quant.cpp's names); set_quant_kernel accepts only it.
-std::string get_quant_kernel() { return "int8x32"; }
+std::string get_quant_kernel(const std::string&) { return "int8x32"; }
 std::string set_quant_kernel(const std::string& name) {
   TORCH_CHECK(name == "int8x32", "the quantized kernel '", name, "' needs AVX-512 (bf16, int8, int16: AVX512-BF16 or "
               "AVX512-VNNI), which this CPU lacks; its AVX2 kernels compute int8x32");
@@ -395,8 +398,10 @@ torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_quant", &linear_quant, "y = x [W_0; W_1; ...]^T on GGUF-quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
-        "Q4_K, Q5_K, Q6_K), int8 activations a scale per 32, AVX2; rows computed alike whatever their number");
-  m.def("quant_kernel", &get_quant_kernel, "the quantized linear kernel: int8x32 (the only one on AVX2)");
+        "Q4_K, Q5_K, Q6_K), int8 activations a scale per 32, AVX2; rows computed alike whatever their number",
+        py::arg("x"), py::arg("weights"), py::arg("types"), py::arg("float_output") = false, py::arg("kernel") = "");
+  m.def("quant_kernel", &get_quant_kernel, "the quantized linear kernel: int8x32 (the only one on AVX2)",
+        py::arg("kernel") = "");
   m.def("set_quant_kernel", &set_quant_kernel, "choose the quantized linear kernel (only int8x32 here); returns the one before");
   m.def("dequantize_rows", &dequantize_rows, "rows of a packed quantized weight as float32 (the embedding lookup)");
   m.def("available", &quant_avx2_available, "whether this CPU has AVX2, FMA and F16C");

@@ -59,16 +59,22 @@ class FamilySettings:
     activation: str = "hidden_act"
     # Config attributes the native runner does not implement: set (not None, not False) means refuse.
     unsupported: tuple[str, ...] = ()
+    # The integer activation scheme of the family's GGUF blocks on CPUs with VNNI and no AMX tiles (None: the
+    # kernels' default, int16; see kernels.model_quant_kernel). By issue 23's rule, the fastest scheme whose
+    # teacher-forced agreement and KL against the float32 model are no worse than llama.cpp's on the same file:
+    # int8x32 on Qwen2.5-Coder 0.5B/1.5B and Gemma 3 270M (not on SmolLM2, a Llama; benchmarks/RESULTS.md,
+    # sessions 22 and 27), where verification's rows and prefill cost 0.6-0.8x int16's.
+    quant_kernel: str | None = None
 
 
 LLAMA = FamilySettings("llama")
 MISTRAL = FamilySettings("mistral", window="every_layer")
-QWEN2 = FamilySettings("qwen2", window="layer_types", window_switch="use_sliding_window")
+QWEN2 = FamilySettings("qwen2", window="layer_types", window_switch="use_sliding_window", quant_kernel="int8x32")
 QWEN3 = FamilySettings("qwen3", window="layer_types", window_switch="use_sliding_window")
 SMOLLM3 = FamilySettings("smollm3", window="layer_types", window_switch="use_sliding_window", no_rope_layers=True)
 GEMMA3 = FamilySettings("gemma3", gemma_norms=True, embed_scale=True, sandwich_norms=True,
                         query_scale="query_pre_attn_scalar", window="layer_types", rope_by_layer_type=True,
-                        final_softcap=True, activation="hidden_activation",
+                        final_softcap=True, activation="hidden_activation", quant_kernel="int8x32",
                         unsupported=("attn_logit_softcapping", "use_bidirectional_attention"))
 
 FAMILIES: dict[str, FamilySettings] = {

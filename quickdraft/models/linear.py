@@ -63,8 +63,8 @@ class Linear(ABC):
 
     @abstractmethod
     def spec(self) -> tuple:
-        """(weight, scales, bias, outputs, quantized parts, their GGML types): what the C++ decoder loop needs
-        of a kernel-packed layer."""
+        """(weight, scales, bias, outputs, quantized parts, their GGML types, the model's quantized kernel or ""):
+        what the C++ decoder loop needs of a kernel-packed layer."""
 
     @abstractmethod
     def dense(self) -> torch.Tensor:
@@ -153,7 +153,7 @@ class DenseLinear(Linear):
         return y if self.bias is None else y + self.bias
 
     def spec(self) -> tuple:
-        return self.weight, None, self.bias, self.out_features, [], []
+        return self.weight, None, self.bias, self.out_features, [], [], ""
 
     def dense(self) -> torch.Tensor:
         return self._unpacked()
@@ -193,7 +193,7 @@ class Int8Linear(Linear):
         return y if self.bias is None else y + self.bias
 
     def spec(self) -> tuple:
-        return self.weight, self.scales, self.bias, self.out_features, [], []
+        return self.weight, self.scales, self.bias, self.out_features, [], [], ""
 
     def dense(self) -> torch.Tensor:
         return self._unpacked().float() * self.scales[: self.out_features, None].float()
@@ -210,11 +210,12 @@ FOUR_BIT = frozenset({quant.Q4_0, quant.Q4_1, quant.Q4_K})  # what Linear.q4 kee
 class BlockLinear(Linear):
     """GGML-quantized blocks: `parts` side by side make the [N, K] weight (every part but the last a multiple
     of 16 rows), run on the quantized kernels: AVX-512's with bf16 activations (then the C++ decoder loop can take
-    the layer too), or AVX2's with the model's float32 ones."""
+    the layer too), or AVX2's with the model's float32 ones. quant_kernel: the model's choice of integer
+    activations (kernels.model_quant_kernel; "" for the kernels' default)."""
 
     def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None = None,
-                 dtype: torch.dtype | None = None):
-        self.bias, self.scales, self.parts = bias, None, parts
+                 dtype: torch.dtype | None = None, quant_kernel: str = ""):
+        self.bias, self.scales, self.parts, self.quant_kernel = bias, None, parts, quant_kernel
         self.weight = None
         self.dtype = dtype or torch.bfloat16
         self.out_features, self.in_features = sum(p.rows for p in parts), parts[0].cols
@@ -244,13 +245,13 @@ class BlockLinear(Linear):
         rows = x.reshape(-1, shape[-1])
         if rows.dtype not in (torch.float32, torch.bfloat16):
             rows = rows.to(torch.float32)  # what both kernels read
-        y = self._quant.linear_quant(rows.contiguous(), self._packed, self._types, float_output)
+        y = self._quant.linear_quant(rows.contiguous(), self._packed, self._types, float_output, self.quant_kernel)
         y = self._trim(y).reshape(*shape[:-1], -1)
         y = y if float_output else y.to(self.dtype)
         return y if self.bias is None else y + self.bias
 
     def spec(self) -> tuple:
-        return torch.empty(0), None, self.bias, self.out_features, self._packed, self._types
+        return torch.empty(0), None, self.bias, self.out_features, self._packed, self._types, self.quant_kernel
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Only the rows `ids` are dequantised (one part; a fused weight's rows come from its dense form)."""
@@ -271,7 +272,7 @@ class BlockLinear(Linear):
             self._quant.dequantize_rows(p.packed, p.qtype, torch.arange(p.rows), p.cols))) for p in self.parts]
         if all(new is old for new, old in zip(parts, self.parts)):
             return self
-        return BlockLinear(parts, self.bias, self.dtype)
+        return BlockLinear(parts, self.bias, self.dtype, self.quant_kernel)
 
     def _narrow(self) -> None:  # the parts in order, the last cut to its groups of 16 outputs
         parts, left = [], self.out_features

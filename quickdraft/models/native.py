@@ -195,13 +195,15 @@ class NativeRunner:
         # in benchmarks/RESULTS.md, session 21). The norms hand GGUF layers float32 rows and other layers
         # model-dtype ones; attention, the KV cache and the other weights keep the model's dtype.
         self.residual_dtype = torch.float32 if quantized is not None else self.dtype
+        # The integer scheme of the blocks' activations: the family's measured choice where it applies.
+        self.quant_kernel = kernels.model_quant_kernel(family.quant_kernel) if quantized is not None else ""
         released: list[nn.Module] = []
 
         def linear(index: int, roles: tuple[str, ...], modules: tuple[nn.Linear, ...]) -> Linear:
             parts = [quantized.get(index, role) for role in roles] if quantized is not None else []
             if blocks_fit(parts, modules):
                 released.extend(modules)
-                return BlockLinear(parts, fused_bias(modules), dtype=self.dtype)
+                return BlockLinear(parts, fused_bias(modules), dtype=self.dtype, quant_kernel=self.quant_kernel)
             _widen_packed(parts, modules, self.dtype)
             return dense_linear(modules)
 
@@ -226,7 +228,8 @@ class NativeRunner:
             head = quantized.output if quantized.output is not None else (
                 quantized.embedding if quantized.tied and output.weight is inner.embed_tokens.weight else None)
         if head is not None and head.rows == output.weight.shape[0] and head.cols == output.weight.shape[1]:
-            self.lm_head = BlockLinear([head], None if output.bias is None else output.bias.detach(), dtype=self.dtype)
+            self.lm_head = BlockLinear([head], None if output.bias is None else output.bias.detach(), dtype=self.dtype,
+                                       quant_kernel=self.quant_kernel)
             released.append(output)
         else:
             self.lm_head = dense_linear((output,))

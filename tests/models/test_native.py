@@ -344,7 +344,7 @@ def test_quantized_runner_runs_the_blocks_and_releases_the_dense_copies(name):
     exact = HFRunner(reference).forward(SequenceCache(), prompt, len(prompt))
     # bf16 activations (or the int16 kernel's two digits) against float32 ones: within 3% of the largest logit;
     # the int8 kernel's one digit an activation (llama.cpp's way): 8% (measured 5.2% on llama16)
-    tolerance = 0.08 if cpu_linear().quant_kernel().startswith("int8") else 0.03
+    tolerance = 0.08 if cpu_linear().quant_kernel(runner.quant_kernel).startswith("int8") else 0.03
     assert (logits - exact).abs().max() <= tolerance * exact.abs().max()
     # verification rows equal single steps bitwise
     cache = runner.new_cache()
@@ -499,3 +499,33 @@ def test_a_vocabulary_prefix_scores_its_ids_as_the_whole_head_does(kind):
         runner.with_vocabulary(runner.vocab_size + 1)
     with pytest.raises(QuickdraftError, match="needs the native runner"):
         HFRunner(tiny_llama(seed=0)).with_vocabulary(20)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["llama16", "gemma16", "qwen2"])
+def test_a_gguf_runner_runs_its_familys_quant_kernel_in_both_loops(name):
+    """Gemma 3 and Qwen2 choose int8x32 on VNNI CPUs without AMX tiles (models/families.py), Llama the default;
+    the choice reaches the C++ loop and the Python loop alike, and an override beats it."""
+    from quickdraft import kernels
+
+    model = BUILDS[name](seed=0).to(torch.bfloat16)
+    runner = NativeRunner(model, quantized=gguf_blocks_of(model))
+    preferred = {"llama16": None, "gemma16": "int8x32", "qwen2": "int8x32"}[name]
+    assert runner.quant_kernel == kernels.model_quant_kernel(preferred)
+    assert all(linear.quant_kernel == runner.quant_kernel for layer in runner.layers
+               for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    if runner._native_decoder() is None:
+        pytest.skip("no C++ loop for this model here")
+    ids = torch.randint(0, _vocab(model), (12,), generator=torch.Generator().manual_seed(2))
+    module = cpu_linear()
+    before = module.set_quant_kernel("")
+    try:
+        in_cpp = runner.forward(runner.new_cache(), ids, len(ids))
+        assert torch.equal(in_cpp, runner.forward(runner.new_cache(), ids, len(ids), use_decoder=False))
+        module.set_quant_kernel(module.quant_kernel(runner.quant_kernel))
+        assert torch.equal(in_cpp, runner.forward(runner.new_cache(), ids, len(ids)))
+        if runner.quant_kernel:  # the family's choice took effect: the default's bits differ
+            module.set_quant_kernel("int16")
+            assert not torch.equal(in_cpp, runner.forward(runner.new_cache(), ids, len(ids)))
+    finally:
+        module.set_quant_kernel(before)

@@ -311,3 +311,56 @@ def test_q4_1_quantizer_error_is_half_a_step():
     # half a step, plus the float16 rounding of the scale (times the code) and of the min
     slack = 15 * step * 2.0 ** -11 + w.abs().amax() * 2.0 ** -11
     assert ((back - w).abs() <= step / 2 + slack).all()
+
+
+@needs_kernels
+def test_a_call_runs_its_models_kernel_unless_the_process_overrides_it():
+    """linear_quant's `kernel` is the model's choice (models/families.py); set_quant_kernel (or
+    QUICKDRAFT_QUANT_KERNEL) overrides every model's, and "" removes the override."""
+    module = kernels.cpu_linear()
+    if "avx512_vnni" not in open("/proc/cpuinfo").read():
+        pytest.skip("the integer kernels need AVX512-VNNI")
+    cols = 256
+    parts = [quant.pack(quant.decode(random_blocks(t, 32, cols, seed=3), t, cols)) for t in (quant.Q4_K, quant.Q6_K)]
+    packed, types = [p.packed for p in parts], [p.qtype for p in parts]
+    x = torch.randn(5, cols)
+    x[:, 7] *= 30  # an outlier channel: one digit a scale per 32 and two digits a scale per block differ
+    by_override = {}
+    for name in ("int8x32", "int16"):
+        with kernel(name):
+            by_override[name] = module.linear_quant(x, packed, types, True)
+    assert not torch.equal(by_override["int8x32"], by_override["int16"])
+    before = module.set_quant_kernel("")
+    try:
+        assert module.quant_kernel() == "int16" and module.quant_kernel("int8x32") == "int8x32"
+        assert torch.equal(module.linear_quant(x, packed, types, True, "int8x32"), by_override["int8x32"])
+        assert torch.equal(module.linear_quant(x, packed, types, True), by_override["int16"])  # the default
+        assert module.set_quant_kernel("int16") == ""
+        assert module.quant_kernel("int8x32") == "int16"
+        assert torch.equal(module.linear_quant(x, packed, types, True, "int8x32"), by_override["int16"])
+        assert module.set_quant_kernel("") == "int16"
+        with pytest.raises(RuntimeError, match="unknown quantized kernel 'int4'"):
+            module.linear_quant(x, packed, types, True, "int4")
+    finally:
+        module.set_quant_kernel(before)
+
+
+def test_a_familys_kernel_applies_on_vnni_cpus_without_amx_tiles(monkeypatch):
+    class Module:
+        amx = False
+
+        def amx_available(self):
+            return self.amx
+
+    module = Module()
+    monkeypatch.setattr(kernels, "cpu_linear", lambda: module)
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx512_vnni", "amx_int8"})
+    assert kernels.model_quant_kernel("int8x32") == "int8x32"  # AMX in the flags, but this process may not use it
+    assert kernels.model_quant_kernel(None) == ""
+    module.amx = True
+    assert kernels.model_quant_kernel("int8x32") == ""  # int16 on the tiles
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: {"avx2"})
+    module.amx = False
+    assert kernels.model_quant_kernel("int8x32") == ""
+    monkeypatch.setattr(kernels, "cpu_linear", lambda: None)
+    assert kernels.model_quant_kernel("int8x32") == ""

@@ -63,6 +63,7 @@ def test_bench_smoke(tiny_dataset, tmp_path):
     assert config["methods"] == ["none", "ngram", "layers:1", "hf", "hf-lookup"]  # none added as the reference
     assert config["k"] == [1, 3] and config["n_prompts"] == 4 and config["n_turns"] == 5
     assert config["categories"] == list(CATEGORIES) and "chat template" in config["prompt_format"]
+    assert config["cpu"] and config["quant_kernel"] is None  # which machine; a bf16 model keeps no GGUF blocks
 
     methods = saved["methods"]
     assert set(methods) == {"none", "ngram", "layers:1", "hf", "hf-lookup"}

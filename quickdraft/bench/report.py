@@ -229,6 +229,10 @@ def render(report: dict, console) -> None:
                       _fmt(o.get("predicted_speedup_vs_none")), _fmt(o.get("measured_over_predicted")),
                       _fmt(o["greedy_mismatches"], "d"))
     console.print(table)
+    if config.get("cpu"):
+        kernel = config.get("quant_kernel")
+        console.print(f"[dim]machine: {config['cpu']}" + (f"; GGUF blocks on the {kernel} kernel" if kernel else "")
+                      + "[/dim]")
     if sweep:
         console.print("[dim]K column: the best K of the sweep (by measured tokens/s)[/dim]")
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from quickdraft import kernels
 from quickdraft.bench import dataset, greedy, methods
 from quickdraft.bench.names import DEFAULT_METHODS
 from quickdraft.bench.costs import measure_read_bandwidth, measure_target_forward, runner_costs
@@ -22,6 +23,7 @@ from quickdraft.cli_args import tree_setting
 from quickdraft.drafts.base import TreeSettings
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import loader
+from quickdraft.models.base import Runner
 
 TIMING_NOTE = ("seconds per generation around the call, prefill included; quickdraft's engine is driven directly "
                "(no per-step detokenization), as transformers' generate and llama.cpp's generate are")
@@ -166,7 +168,7 @@ def run_bench(cfg: BenchConfig, *, model=None, tokenizer=None, console=None, pro
 
     config = {
         "dataset": str(cfg.dataset), "model": target.name, "dtype": str(target.dtype).removeprefix("torch."),
-        "device": str(target.device), "threads": torch.get_num_threads(),
+        "device": str(target.device), "threads": torch.get_num_threads(), **_machine(target.runner),
         "methods": [s.name for s in specs], "k": ks, "k_sweep": len(ks) > 1,
         "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
         "categories": dataset.categories_of(records), "limit_per_category": cfg.limit_per_category,
@@ -219,7 +221,8 @@ def _run_batch_sweep(cfg, records, prompts, runners, target, forward_s, bandwidt
                                 on_round=lambda label, b: bar.update(task, advance=1, description=f"{label} B={b}"))
     report = {"config": {"dataset": str(cfg.dataset), "model": target.name,
                          "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
-                         "threads": torch.get_num_threads(), "methods": [r.label for r in runners],
+                         "threads": torch.get_num_threads(), **_machine(target.runner),
+                         "methods": [r.label for r in runners],
                          "versions": _versions(), "started_at": started, "options": asdict(cfg)},
               "costs": {"forward_s": {str(n): s for n, s in forward_s.items()}, "memory_read_GBps": bandwidth / 1e9,
                         "runners": runner_table},
@@ -272,6 +275,12 @@ def _greedy_check(runners, results, target) -> None:
         for mine, ref in zip(results[runner.label], reference):
             mine.divergence = greedy.check(target.runner, [(t.prompt_ids, t.generation.token_ids) for t in mine.turns],
                                            [(t.prompt_ids, t.generation.token_ids) for t in ref.turns], note)
+
+
+def _machine(target: Runner) -> dict[str, Any]:
+    """Which machine and kernels a report's figures came from: the CPU and its kernel flags, and the activation
+    scheme the target's GGUF blocks ran (None without blocks)."""
+    return {"cpu": kernels.cpu_description(), "quant_kernel": target.quant_kernel_in_use}
 
 
 def _versions() -> dict[str, str]:

@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import platform
 from pathlib import Path
 
 import torch
@@ -109,6 +110,21 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def cpu_description() -> str:
+    """The CPU's model name and the flags that choose quickdraft's kernels (for reports: figures say which
+    machine they came from)."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), name)
+    except OSError:
+        pass
+    flags = _cpu_flags()
+    present = [label for flag, label in (("avx512_bf16", "AVX512-BF16"), ("avx512_vnni", "AVX512-VNNI"),
+                                         ("amx_int8", "AMX-INT8"), ("avx2", "AVX2")) if flag in flags]
+    return f"{name} ({', '.join(present) or 'none of AVX2, AVX512-BF16/VNNI, AMX'}; {os.cpu_count()} CPUs)"
 
 
 def model_quant_kernel(preferred: str | None) -> str:

@@ -99,6 +99,9 @@ class Runner(Protocol):
     max_len: int
     forwards: int  # model calls so far, for metrics
     quantized_weights: QuantizedWeights | None  # a GGUF file's blocks the runner keeps in their stored format
+    # The activation scheme those blocks run now (int16, int8x32, int8, bf16: the family's choice or the
+    # QUICKDRAFT_QUANT_KERNEL override, kernels/cpu_quant.cpp), None where the runner keeps no blocks.
+    quant_kernel_in_use: str | None
 
     @property
     def device(self) -> torch.device: ...

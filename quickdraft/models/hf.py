@@ -26,6 +26,7 @@ class HFRunner:
 
     kind = "hf"
     quantized_weights = None  # transformers has no kernels for a GGUF file's blocks: it runs dequantized weights
+    quant_kernel_in_use = None
 
     def __init__(self, model: nn.Module, name: str = "model"):
         self.model = model

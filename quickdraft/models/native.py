@@ -340,6 +340,13 @@ class NativeRunner:
         return self.num_layers * self.num_kv_heads * self.head_dim * 2 * size
 
     @property
+    def quant_kernel_in_use(self) -> str | None:
+        if self.quantized_weights is None:
+            return None
+        module = kernels.quant_kernels(self.dtype)
+        return module.quant_kernel(self.quant_kernel) if module is not None else None
+
+    @property
     def rows_invariant(self) -> bool:
         """Whether every row of a forward is computed alike whatever the other rows of the call: quickdraft's
         CPU kernels for every layer, bf16 weights (int8 ones widen differently from 32 rows on)."""

@@ -316,6 +316,11 @@ def test_load_runner_keeps_the_blocks_or_widens_them_as_asked(tiny_gguf, tmp_pat
     reference = make_runner(model, "tiny", "native", packed)
     ids = torch.tensor([3, 17, 200, 5])
     assert torch.equal(runner.forward(runner.new_cache(), ids, 4), reference.forward(reference.new_cache(), ids, 4))
+    from quickdraft import kernels
+
+    assert runner.quant_kernel_in_use == kernels.quant_kernels(runner.dtype).quant_kernel(runner.quant_kernel)
     widened, _ = load_runner(str(tiny_gguf), keep_quantized=False)
     assert isinstance(widened, NativeRunner) and widened.quantized_weights is None
-    assert isinstance(load_runner(str(tiny_gguf), kind="hf")[0], HFRunner)
+    assert widened.quant_kernel_in_use is None
+    hf = load_runner(str(tiny_gguf), kind="hf")[0]
+    assert isinstance(hf, HFRunner) and hf.quant_kernel_in_use is None

@@ -158,9 +158,10 @@ def load_for_runner(source: ModelSource, dtype: torch.dtype, device: torch.devic
     if loaded is None:
         model, tokenizer = load(source, dtype, device, trust_remote_code)
         loaded = model, tokenizer, quantized_weights(source, model, dtype, device) if keep_quantized else None
-    if loaded[2] is not None:  # after any cache is written: the bytes stay the same
-        huge_pages.move_into_huge_pages(loaded[2])
-    return loaded
+    model, tokenizer, blocks = loaded
+    if blocks is not None:  # after any cache is written: the bytes stay the same
+        huge_pages.move_into_huge_pages(blocks)
+    return model, tokenizer, blocks
 
 
 def _keeps_blocks(source: ModelSource, dtype: torch.dtype, device: torch.device) -> bool:

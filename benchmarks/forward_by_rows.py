@@ -47,7 +47,7 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     # The model's kernel (its family's choice, or QUICKDRAFT_QUANT_KERNEL's override) unless --kernels names others;
     # each is run as an override, and the override before is restored at the end.
-    schemes = args.kernels.split(",") if args.kernels else [module.quant_kernel(getattr(runner, "quant_kernel", ""))]
+    schemes = args.kernels.split(",") if args.kernels else [runner.quant_kernel_in_use or module.quant_kernel()]
     kernel_before = module.set_quant_kernel(schemes[0])
     amx = avx512 and (module.set_quant_amx(True) or module.quant_amx())
     dtypes = {"float32": torch.float32, "bf16": torch.bfloat16}

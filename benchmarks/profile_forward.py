@@ -41,9 +41,9 @@ def main() -> None:
         runners[dtype], _ = load_runner(args.model, keep_quantized=dtype == "auto")
         if runners[dtype]._cpu_kernels is None or runners[dtype]._native_decoder() is None:
             raise SystemExit("this profile needs quickdraft's CPU kernels (an AVX512-BF16 CPU)")
-    module = runners[next(iter(runners))]._cpu_kernels
     first = runners[next(iter(runners))]
-    quant_kernels = args.kernels.split(",") if args.kernels else [module.quant_kernel(first.quant_kernel)]
+    module = first._cpu_kernels
+    quant_kernels = args.kernels.split(",") if args.kernels else [first.quant_kernel_in_use or module.quant_kernel()]
     ids = torch.randint(0, 1000, (args.context + args.tokens,), generator=torch.Generator().manual_seed(0))
     caches = {}
     for dtype, runner in runners.items():

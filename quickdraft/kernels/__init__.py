@@ -133,10 +133,10 @@ def model_quant_kernel(preferred: str | None) -> str:
     default, int16) elsewhere. Where AMX tiles run, calls of 8 rows or more take them with int16 only, and one-digit
     schemes were measured on CPUs without them (benchmarks/RESULTS.md, session 27). QUICKDRAFT_QUANT_KERNEL
     overrides every model's choice (kernels/cpu_quant.cpp)."""
-    module = cpu_linear()
-    if not preferred or module is None or "avx512_vnni" not in _cpu_flags():
+    module, flags = cpu_linear(), _cpu_flags()
+    if not preferred or module is None or "avx512_vnni" not in flags:
         return ""
-    return "" if "amx_int8" in _cpu_flags() and module.amx_available() else preferred
+    return "" if "amx_int8" in flags and module.amx_available() else preferred
 
 
 def cpu_quant_avx2():

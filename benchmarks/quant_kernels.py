@@ -3,7 +3,8 @@
 every row count, to show the crossover the kernel's kAmxRows picks) and number of rows, on a matrix that stays
 in cache (so memory is not what is measured: the kernels' own cost).
 
-    .venv/bin/python benchmarks/quant_kernels.py [--threads 1] [--repeats 20] [--rows 1,2,4,8,16,64]
+    .venv/bin/python benchmarks/quant_kernels.py [--threads 1] [--repeats 20] [--rows 1,2,4,8,16,64] \
+        [--types Q4_K,Q6_K] [--kernels int8x32,int16]
 
 The fastest of `repeats` calls is reported (a shared machine's interference only ever adds time).
 """
@@ -30,6 +31,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rows", default="1,2,4,8,16,64")
     parser.add_argument("--cols", type=int, default=1536)
+    parser.add_argument("--types", default="", help="block types to run, e.g. Q4_K,Q6_K (default: all)")
+    parser.add_argument("--kernels", default="", help="kernels to run, e.g. int8x32,int16 (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     module = kernels.cpu_linear()
@@ -41,11 +44,20 @@ def main() -> None:
         variants += [("int8", False), ("int8x32", False), ("int16", False)]
         if module.set_quant_amx(True) or module.quant_amx():
             variants += [("int8", True), ("int8x32", True), ("int16", True)]
+    if args.kernels:
+        variants = [(name, amx) for name, amx in variants if name in args.kernels.split(",")]
+    types = sorted(quant.SUPPORTED)
+    if args.types:
+        by_name = {quant.NAMES[t]: t for t in types}
+        unknown = [t for t in args.types.split(",") if t not in by_name]
+        if unknown:
+            raise SystemExit(f"unknown block type(s) {unknown}: choose from {sorted(by_name)}")
+        types = [by_name[t] for t in args.types.split(",")]
     kernel_before, amx_before, amx_rows_before = module.set_quant_kernel(""), module.quant_amx(), module.set_quant_amx_rows(1)
     print(f"ns a weight and row (fastest of {args.repeats}), {args.threads} thread(s), K = {args.cols}, "
           f"rows {'/'.join(map(str, row_counts))}")
     try:
-        for qtype in sorted(quant.SUPPORTED):
+        for qtype in types:
             rows = 1024 if qtype != quant.Q8_0 else 512  # about 1 MB of blocks: in L2
             packed = quant.pack(quant.decode(random_blocks(qtype, rows, args.cols), qtype, args.cols))
             line = f"  {quant.NAMES[qtype]:5s}"

@@ -45,6 +45,10 @@ def main() -> None:
         if module.set_quant_amx(True) or module.quant_amx():
             variants += [("int8", True), ("int8x32", True), ("int16", True)]
     if args.kernels:
+        available = sorted({name for name, _ in variants})
+        unknown = [k for k in args.kernels.split(",") if k not in available]
+        if unknown:
+            raise SystemExit(f"kernel(s) {unknown} not available on this CPU: choose from {available}")
         variants = [(name, amx) for name, amx in variants if name in args.kernels.split(",")]
     types = sorted(quant.SUPPORTED)
     if args.types:

@@ -32,6 +32,9 @@ class ChildSelection(enum.IntEnum):
     DETERMINISTIC = 0  # a function of the context: top-k by draft probability (EAGLE-2), n-gram / suffix lookups
     IID = 1  # independent draws from the draft's q, with replacement (SpecTr; SpecInfer's multi-step sampling)
     WITHOUT_REPLACEMENT = 2  # sequential draws from q with earlier siblings removed (Jeon et al. 2024, RSD)
+    # The first child one draw from q (the chain's draft token), the others q's most probable tokens besides it
+    # (a function of the context and that draw): a sampled chain with ranked alternatives beside it.
+    DRAWN_FIRST = 3
 
 
 class KVCompaction(NamedTuple):
@@ -97,7 +100,7 @@ class TokenTree:
         self.depth = torch.tensor(depth, dtype=torch.long, device=tokens.device)  # [N]
         self.parent_rows = self.parents + 1  # [N]
         self.sibling_rank = torch.tensor(rank, dtype=torch.long, device=tokens.device)  # [N]
-        self._parent_list, self._depth_list, self._children = parents, depth, children
+        self._parent_list, self._depth_list, self._children, self._rank = parents, depth, children, rank
         self._modes = {parent + 1: mode for parent, mode in first_mode.items()}  # row -> its children's mode
         ancestors = torch.zeros(n, n, dtype=torch.bool)
         for i, parent in enumerate(parents):
@@ -110,8 +113,10 @@ class TokenTree:
         self.earlier_siblings = same_parent & (order[None, :] < order[:, None])  # [N, N]: j tried before i
         # The nodes of each sibling rank, as index tensors: the verifier walks the ranks (the trial order) with
         # every parent at once, one pass per rank, and needs no host read to find them.
-        self.nodes_by_rank = [torch.tensor([i for i in range(n) if rank[i] == r], dtype=torch.long,
-                                           device=tokens.device) for r in range(max(rank, default=-1) + 1)]
+        self.node_lists_by_rank = [[i for i in range(n) if rank[i] == r] for r in range(max(rank, default=-1) + 1)]
+        self.nodes_by_rank = [torch.tensor(nodes, dtype=torch.long, device=tokens.device)
+                              for nodes in self.node_lists_by_rank]
+        self.selection_modes = selection  # [N] ChildSelection, host-side
         for parent, kids in children.items():
             if first_mode[parent] != ChildSelection.IID and len(kids) > 1:
                 # i.i.d. draws may repeat a token (each copy is its own trial); ranked or without-replacement
@@ -182,8 +187,8 @@ class TokenTree:
 
     @property
     def needs_draft_probs(self) -> bool:
-        """Whether some children were drawn from the draft's q (IID or WITHOUT_REPLACEMENT), which their
-        verification needs."""
+        """Whether some children were drawn from the draft's q (IID, WITHOUT_REPLACEMENT or DRAWN_FIRST), which
+        their verification needs."""
         return any(mode != ChildSelection.DETERMINISTIC for mode in self._modes.values())
 
     @property
@@ -267,7 +272,8 @@ class TokenTree:
         """The tree of `nodes` (node indices, each node's parent among them or the root), renumbered in node
         order, with their tokens and selection modes: a pruned tree (the engine's node budget). A node's children
         keep their trial order, so the rule for how they were chosen still holds for the ones kept only when they
-        are a prefix of that order (DETERMINISTIC children are exact whatever is kept)."""
+        are a prefix of that order (DETERMINISTIC children are exact whatever is kept; DRAWN_FIRST siblings whose
+        drawn first child is cut become DETERMINISTIC)."""
         nodes = sorted(int(n) for n in nodes)
         index = {n: i for i, n in enumerate(nodes)}
         parents = []
@@ -277,7 +283,13 @@ class TokenTree:
                 raise ValueError(f"subtree: node {n} is kept but its parent {parent} is not")
             parents.append(-1 if parent < 0 else index[parent])
         picked = torch.tensor(nodes, dtype=torch.long, device=self.tokens.device)
-        return TokenTree(self.tokens.index_select(-1, picked), parents, self.selection[picked].tolist())
+        modes = self.selection[picked].tolist()
+        # DRAWN_FIRST's rule reads its first child as the draw from q: where that child is cut, the siblings kept
+        # are ranked tokens only (a function of the context and a draw the verifier never sees): DETERMINISTIC.
+        drawn_kept = {self._parent_list[n] for n in nodes if self._rank[n] == 0}
+        modes = [int(ChildSelection.DETERMINISTIC) if mode == ChildSelection.DRAWN_FIRST
+                 and self._parent_list[n] not in drawn_kept else mode for n, mode in zip(nodes, modes)]
+        return TokenTree(self.tokens.index_select(-1, picked), parents, modes)
 
     def to(self, device: torch.device | str) -> TokenTree:
         """The same tree with its tensors on `device`."""

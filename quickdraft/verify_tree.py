@@ -117,7 +117,8 @@ def tree_acceptance(tree: TokenTree, target_probs: torch.Tensor, draft_probs: to
 
     target_probs: [..., N + 1, V] processed target probabilities (row r: after row r's path); draft_probs:
     [..., N, V], for node i the draft's processed distribution at its parent's context (the same row for every
-    sibling, before any removal; unused for DETERMINISTIC children, and may be None when all are).
+    sibling, before any removal; unused for DETERMINISTIC children and DRAWN_FIRST's later siblings, and may be
+    None when all children are DETERMINISTIC).
 
     The rule at a row with children x_1..x_k tried in order: r_0 = p; child j is accepted with probability
     min(1, r_{j-1}(x_j) / q_j(x_j)); if rejected, r_j = max(0, r_{j-1} - q_j) renormalised; if all are rejected
@@ -137,6 +138,11 @@ def tree_acceptance(tree: TokenTree, target_probs: torch.Tensor, draft_probs: to
       and goes down the child equal to it. The plain SpecInfer rule with the draft's q for such children is
       NOT exact: it would accept the top child with probability min(1, p(x)/q(x)), although x was proposed
       with probability 1, not q(x) (with p == q the top child is always taken: tests/test_verify_tree.py).
+    - DRAWN_FIRST (the chain's draft token drawn from q, then q's most probable other tokens): q_1 = q, and
+      x_2..x_k are a function of the context and x_1, so q_j (j > 1) is the point mass at x_j: the first child
+      is verified as a chain's draft (accepted with min(1, p/q), else r_1 = max(0, p - q) renormalised), and
+      the row then emits a draw from r_1 and goes down the sibling equal to it. Never below the chain: the
+      chain stops where this rule may still go down a sibling.
 
     Exact whenever each node's children, given the path to it and the tree above, are the first k draws of
     their mode in trial order; k and the subtrees may depend on anything but those draws (node budgets over
@@ -145,36 +151,52 @@ def tree_acceptance(tree: TokenTree, target_probs: torch.Tensor, draft_probs: to
     _check_rows(tree, target_probs, "target_probs")
     vocab = target_probs.shape[-1]
     if draft_probs is None and tree.needs_draft_probs:
-        raise ValueError("tree_acceptance: IID or WITHOUT_REPLACEMENT children need draft_probs [..., N, V]; "
-                         "only a tree of DETERMINISTIC children may pass None")
+        raise ValueError("tree_acceptance: IID, WITHOUT_REPLACEMENT or DRAWN_FIRST children need draft_probs "
+                         "[..., N, V]; only a tree of DETERMINISTIC children may pass None")
     if draft_probs is not None and draft_probs.shape[-2] != tree.num_nodes:
         raise ValueError(f"draft_probs has {draft_probs.shape[-2]} rows; one per node ({tree.num_nodes}) is needed")
     residuals = target_probs.clone()
-    accept_probs = target_probs.new_zeros(*target_probs.shape[:-2], tree.num_nodes)
-    onehot = torch.nn.functional.one_hot(tree.tokens, vocab).to(target_probs.dtype)  # [..., N, V]
-    onehot = onehot.expand(*target_probs.shape[:-2], *onehot.shape[-2:])
-    removed = torch.zeros_like(residuals, dtype=torch.bool)  # per row: the tokens of children tried so far
+    batch = target_probs.shape[:-2]
+    accept_probs = target_probs.new_zeros(*batch, tree.num_nodes)
+    modes = tree.selection_modes  # host-side: which passes need q, and which the without-replacement mask
+    removed = torch.zeros_like(residuals, dtype=torch.bool) if ChildSelection.WITHOUT_REPLACEMENT in modes else None
     tiny = torch.finfo(target_probs.dtype).tiny
     for rank, nodes in enumerate(tree.nodes_by_rank):  # one pass per sibling rank; a parent has one node each
+        rank_modes = {modes[i] for i in tree.node_lists_by_rank[rank]}
         rows = tree.parent_rows.index_select(0, nodes)  # [n]
-        mode = tree.selection.index_select(0, nodes)[:, None]  # [n, 1]
-        point = onehot.index_select(-2, nodes)  # [..., n, V]
+        x = tree.tokens.expand(*accept_probs.shape).index_select(-1, nodes)[..., None]  # [..., n, 1]
+        # q is read where a child of this rank was drawn from it: IID, WITHOUT_REPLACEMENT, a DRAWN_FIRST draw;
+        # a one-hot point mass where it was ranked: DETERMINISTIC, a DRAWN_FIRST draw's siblings.
+        drawn = bool(rank_modes & {ChildSelection.IID, ChildSelection.WITHOUT_REPLACEMENT}) or \
+            (rank == 0 and ChildSelection.DRAWN_FIRST in rank_modes)
+        ranked = ChildSelection.DETERMINISTIC in rank_modes or (rank > 0 and ChildSelection.DRAWN_FIRST in rank_modes)
+        if draft_probs is None:
+            drawn, ranked = False, True
+        point = torch.zeros(*batch, nodes.numel(), vocab, dtype=target_probs.dtype, device=target_probs.device
+                            ).scatter_(-1, x, 1.0) if ranked or removed is not None else None  # [..., n, V]
         proposal = point
-        if draft_probs is not None:
+        if drawn:
             q = draft_probs.index_select(-2, nodes).to(target_probs.dtype)  # [..., n, V]
-            if rank > 0:  # without replacement: the earlier siblings removed, renormalised
+            if rank > 0 and removed is not None:  # without replacement: the earlier siblings removed, renormalised
+                mode = tree.selection.index_select(0, nodes)[:, None]  # [n, 1]
                 kept = q.masked_fill(removed.index_select(-2, rows), 0.0)
                 without = kept / kept.sum(-1, keepdim=True).clamp_min(tiny)
                 q = torch.where(mode == ChildSelection.WITHOUT_REPLACEMENT, without, q)
-            proposal = torch.where(mode == ChildSelection.DETERMINISTIC, point, q)
+            proposal = q
+            if ranked:  # this rank mixes drawn and ranked children (of different rows)
+                mode = tree.selection.index_select(0, nodes)[:, None]  # [n, 1]
+                is_ranked = mode == ChildSelection.DETERMINISTIC
+                if rank > 0:
+                    is_ranked = is_ranked | (mode == ChildSelection.DRAWN_FIRST)
+                proposal = torch.where(is_ranked, point, q)
         residual = residuals.index_select(-2, rows)  # [..., n, V]
-        x = tree.tokens.expand(*accept_probs.shape).index_select(-1, nodes)[..., None]  # [..., n, 1]
         px = residual.gather(-1, x).squeeze(-1)
         qx = proposal.gather(-1, x).squeeze(-1)
         # A child drawn from q has q(x) > 0; the clamp only keeps a 0/0 from becoming NaN (it gives 0).
         accept_probs[..., nodes] = (px / qx.clamp_min(tiny)).clamp(max=1.0)
         residuals[..., rows, :] = _next_residual(residual, proposal)
-        removed[..., rows, :] |= point > 0
+        if removed is not None:
+            removed[..., rows, :] |= point > 0
     return TreeAcceptance(accept_probs, residuals)
 
 

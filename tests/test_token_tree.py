@@ -131,3 +131,18 @@ def test_subtree_renumbers_parents_and_refuses_an_orphan():
     assert tree.subtree([1, 4]).parents.tolist() == [-1, 0]
     with pytest.raises(ValueError, match="parent"):
         tree.subtree([0, 3])
+
+
+def test_subtree_without_a_drawn_first_child_makes_its_kept_siblings_ranked():
+    """DRAWN_FIRST's rule reads a row's first child as the draw from q: a cut that drops it leaves ranked tokens
+    only, verified as DETERMINISTIC; rows whose drawn child is kept keep their mode."""
+    drawn = ChildSelection.DRAWN_FIRST
+    tree = TokenTree.from_parents(torch.tensor([10, 11, 12, 13, 14]), [-1, -1, 0, 0, 2], drawn)
+    assert tree.needs_draft_probs
+    sub = tree.subtree([1, 0, 3])  # the root's draw and ranked child kept; under 10 only its ranked child 13
+    assert sub.tokens.tolist() == [10, 11, 13] and sub.parents.tolist() == [-1, -1, 0]
+    assert sub.selection.tolist() == [drawn, drawn, DET]
+    cut = tree.subtree([1])  # the root's draw cut: its ranked sibling alone
+    assert cut.selection.tolist() == [DET] and not cut.needs_draft_probs
+    with pytest.raises(ValueError, match="repeat a token"):  # ranked siblings are other tokens than the draw
+        TokenTree.from_parents([4, 4], [-1, -1], drawn)

@@ -3,11 +3,12 @@
 - A chain is today's verify.rejection_sample / greedy_accept, bit for bit.
 - Greedy and seeded trees emit plain decoding's tokens on random logits, whatever the tree.
 - The exact law of the first two emitted tokens, for each child-selection mode (IID, WITHOUT_REPLACEMENT,
-  DETERMINISTIC), on vocabularies of 3..5 tokens and trees of depth 2 with 2-3 children at the root: by
+  DETERMINISTIC, DRAWN_FIRST), on vocabularies of 3..5 tokens and trees of depth 2 with 2-3 children at the root: by
   enumeration of every tree the proposer can draw (the children's draws are finite; the verifier's uniforms
   are integrated exactly through tree_acceptance's probabilities), against plain sampling p(y1) p(y2 | y1).
   Planted defects (the SpecInfer rule with the draft's q for deterministic children, the i.i.d. rule for
-  children drawn without replacement, the residual not renormalised) must move the law.
+  children drawn without replacement or for a drawn child's ranked siblings, the residual not renormalised)
+  must move the law.
 - Monte Carlo of the whole sampler (tree_rejection_sample: uniforms, first passing sibling, bonus row) with
   a fixed seed and a chi-square test at p = 1e-4, which at the same N rejects the wrong rules and a walk that
   takes the last passing sibling.
@@ -28,6 +29,8 @@ from quickdraft.verify import greedy_accept, rejection_sample
 from quickdraft.verify_tree import tree_acceptance, tree_greedy_accept, tree_rejection_sample, tree_seeded_accept
 
 DET, IID, WOR = ChildSelection.DETERMINISTIC, ChildSelection.IID, ChildSelection.WITHOUT_REPLACEMENT
+DRW = ChildSelection.DRAWN_FIRST
+MODES = [IID, WOR, DET, DRW]
 DTYPE = torch.float64
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -187,6 +190,12 @@ class _World:
         if mode == DET:  # the top k by draft probability
             yield tuple(torch.topk(q, k).indices.tolist()), 1.0
             return
+        if mode == DRW:  # one draw, then the top k - 1 of the other tokens
+            for x in range(self.vocab):
+                if q[x] > 0:
+                    others = torch.topk(q.scatter(0, torch.tensor([x]), -1.0), k - 1).indices.tolist()
+                    yield (x, *others), q[x].item()
+            return
         choices = itertools.product(range(self.vocab), repeat=k) if mode == IID else \
             itertools.permutations(range(self.vocab), k)
         for xs in choices:
@@ -268,7 +277,7 @@ def _world(name):
     return _World(vocab, seed, SamplingParams(**target), SamplingParams(**draft)), grandchildren
 
 
-@pytest.mark.parametrize("mode", [IID, WOR, DET], ids=lambda m: m.name)
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
 @pytest.mark.parametrize("name", list(WORLDS))
 def test_tree_law_of_the_first_two_tokens_is_plain_sampling(name, mode):
     world, grandchildren = _world(name)
@@ -286,9 +295,12 @@ def test_planted_defects_move_the_law(name):
     assert (_tree_law(world, grandchildren, DET, verify_as=IID) - plain).abs().max().item() > 1e-4
     # The i.i.d. rule (q not renormalised over the remaining tokens) for children drawn without replacement.
     assert (_tree_law(world, grandchildren, WOR, verify_as=IID) - plain).abs().max().item() > 1e-4
+    if max(grandchildren) > 1 or len(grandchildren) > 1:  # a drawn child with ranked siblings somewhere
+        # The draft's q for the siblings of a drawn child (they are ranked, not drawn).
+        assert (_tree_law(world, grandchildren, DRW, verify_as=IID) - plain).abs().max().item() > 1e-4
 
 
-@pytest.mark.parametrize("mode", [IID, WOR, DET], ids=lambda m: m.name)
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
 def test_planted_unnormalised_residual_moves_the_law(mode, monkeypatch):
     world, grandchildren = _world("v4-t1.3-2x(2,2)")
     monkeypatch.setattr(verify_tree, "_next_residual", lambda r, q: (r - q).clamp_min(0.0))
@@ -310,6 +322,30 @@ def test_specinfer_rule_for_a_deterministic_child_is_not_exact():
         assert torch.allclose(first, p[0]) == (mode == DET), (mode, first)
 
 
+def test_a_drawn_first_child_is_verified_as_the_chains_draft_and_its_siblings_only_add():
+    """DRAWN_FIRST: the drawn child's acceptance is the chain's min(1, p/q) (same uniform, same decision), and a
+    ranked sibling is then tried against the chain's residual: P(a child is taken) = P(chain accepts) +
+    P(chain rejects) * r_1(siblings) >= P(chain accepts), for every draw. Verified as DETERMINISTIC instead, the
+    law stays exact (any children chosen apart from the verifier's draws are) but the drawn child is accepted
+    only with p(x): no better than a ranked child."""
+    gen = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(4, 6, generator=gen, dtype=DTYPE), -1)  # root row, then the 3 children's rows
+    q = torch.softmax(torch.randn(1, 6, generator=gen, dtype=DTYPE), -1).expand(3, 6)
+    for drawn in range(6):
+        others = torch.topk(q[0].scatter(0, torch.tensor([drawn]), -1.0), 2).indices.tolist()
+        tree = TokenTree.from_parents([drawn, *others], [-1, -1, -1], DRW)
+        a = tree_acceptance(tree, p, q).accept_probs
+        chain = min(1.0, (p[0, drawn] / q[0, drawn]).item())
+        assert a[0].item() == pytest.approx(chain, abs=1e-12)
+        taken = 1 - (1 - a).prod().item()
+        residual = (p[0] - q[0]).clamp_min(0)
+        residual = residual / residual.sum()
+        assert taken == pytest.approx(chain + (1 - chain) * residual[others].sum().item(), abs=1e-12)
+        assert taken >= chain
+        as_ranked = tree_acceptance(TokenTree.from_parents(tree.tokens, [-1, -1, -1], DET), p, q).accept_probs
+        assert as_ranked[0].item() == pytest.approx(p[0, drawn].item(), abs=1e-12)
+
+
 # -- Monte Carlo of the whole sampler ---------------------------------------------------------------------------
 
 
@@ -321,6 +357,9 @@ def _draw_children(q: torch.Tensor, k: int, mode: ChildSelection, gen: torch.Gen
     if mode == WOR:
         u = torch.rand(q.shape, generator=gen, dtype=DTYPE).clamp_min(1e-300)
         return torch.topk(q.log() - (-u.log()).log(), k, dim=-1).indices
+    if mode == DRW:
+        drawn = torch.multinomial(q, 1, generator=gen)
+        return torch.cat([drawn, torch.topk(q.scatter(1, drawn, -1.0), k - 1, dim=-1).indices], 1)
     return torch.topk(q, k, dim=-1).indices
 
 
@@ -359,7 +398,7 @@ def _chi_square_pvalue(counts: torch.Tensor, law: torch.Tensor) -> float:
 MC_SAMPLES = 40_000
 
 
-@pytest.mark.parametrize("mode", [IID, WOR, DET], ids=lambda m: m.name)
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
 @pytest.mark.parametrize("name", ["v3-t0.8topk2-3x(2,1,1)", "v4-t0.7-draft-topk3-3x(1,2,1)"])
 def test_sampler_follows_plain_sampling_in_monte_carlo(name, mode):
     """Fixed seeds; an exact sampler fails with probability 1e-4 (chi-square over <= 25 cells, each expected
@@ -372,6 +411,7 @@ def test_sampler_follows_plain_sampling_in_monte_carlo(name, mode):
 @pytest.mark.parametrize("name,mode,verify_as", [
     ("v3-t0.8topk2-3x(2,1,1)", DET, IID),  # SpecInfer's rule with the draft's q for top-k children
     ("v4-t0.7-draft-topk3-3x(1,2,1)", WOR, IID),  # the i.i.d. rule for children drawn without replacement
+    ("v4-t1.3-2x(2,2)", DRW, IID),  # the draft's q for a drawn child's ranked siblings
 ])
 def test_monte_carlo_rejects_the_wrong_rule(name, mode, verify_as):
     world, grandchildren = _world(name)
@@ -379,7 +419,7 @@ def test_monte_carlo_rejects_the_wrong_rule(name, mode, verify_as):
     assert _chi_square_pvalue(counts, world.plain_law()) < 1e-4
 
 
-@pytest.mark.parametrize("mode", [IID, WOR, DET], ids=lambda m: m.name)
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
 def test_monte_carlo_rejects_taking_the_last_passing_sibling(mode, monkeypatch):
     """A planted walk defect: of the siblings that pass, the last is taken (as if they were tried in reverse)."""
     monkeypatch.setattr(verify_tree, "_first_passing", lambda tree, passes: passes & ~(

@@ -25,7 +25,7 @@ import torch
 
 from quickdraft import sampling
 from quickdraft.drafts.base import DraftOptions, Proposal, Proposer, TreeBudget
-from quickdraft.drafts.trees import DynamicTree, deterministic_tree_proposal, grow_trees
+from quickdraft.drafts.trees import DynamicTree, grow_trees, tree_proposal
 from quickdraft.drafts.vocab_mapping import IdentityMapping, IntersectionMapping, Translation, same_vocabulary
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.base import QUANTIZATION_SCHEMES
@@ -272,5 +272,5 @@ class DraftModelProposer(Proposer):
             # slot was dropped (the next step fed up to depth + 1 rows).
             caches[j].compact(tree.base, [tree.base + slot for slot in tree.top_path_slots()])
             state.tree_at, state.tree_depth = tree.base, max((tree.depth[n] for n in tree.best()), default=0)
-            out[j] = deterministic_tree_proposal(*tree.proposal_nodes(), seqs[j].device, catch_ups[j])
+            out[j] = tree_proposal(tree, seqs[j].device, catch_ups[j])
         return out

@@ -47,7 +47,7 @@ from torch import nn
 from quickdraft import sampling
 from quickdraft.drafts.base import Proposal, Proposer, TreeBudget, spelling_argument
 from quickdraft.drafts.suffix import SuffixOptions, SuffixProposer, SuffixState, lookup_else_model
-from quickdraft.drafts.trees import DynamicTree, deterministic_tree_proposal, grow_trees, ranks_on_part
+from quickdraft.drafts.trees import DynamicTree, grow_trees, ranks_on_part, tree_proposal
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.linear import DenseLinear
 from quickdraft.models.native import NativeRunner, supports
@@ -470,11 +470,11 @@ class EagleProposer(Proposer):
             return ranked_rows(logits)
 
         grow_trees(seqs, trees, ranked_rows(logits), max(depth[j] for j in heads), forward_level,
-                   self.vocab_ids if on_part else None)
+                   self.vocab_ids if on_part else None, self.target_vocab_size)
         out = []
         for j in heads:
             caches[j].rollback(trees[j].base)  # the committed positions: the tree's slots are no path
-            out.append(deterministic_tree_proposal(*trees[j].proposal_nodes(), seqs[j].device, catch_ups[j]))
+            out.append(tree_proposal(trees[j], seqs[j].device, catch_ups[j]))
         return out
 
     def _propose_by_head(self, seqs, ks: list[int], heads: list[int]) -> list[Proposal]:

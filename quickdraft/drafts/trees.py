@@ -2,7 +2,9 @@
 continuations merged into a trie that keeps the most frequent nodes within a budget, a draft model's candidates
 ranked by path probability as it grows them (DynamicTree: EAGLE-2, Li et al. 2024), and the proposal either
 becomes: a chain where only one continuation is left (verified as today), else a tree of DETERMINISTIC children
-(a function of the context, so q is one-hot and verification stays exact at every temperature)."""
+(a function of the context, so q is one-hot and verification stays exact at every temperature) or, for an
+unseeded sampled request, of DRAWN_FIRST children (each row's first child the draw from q a chain would make,
+verified with q; its siblings ranked)."""
 
 from __future__ import annotations
 
@@ -105,6 +107,9 @@ class DynamicTree:
         self.slot: dict[int, int] = {}  # expanded node -> its tree slot (0: base)
         self.slot_parents: list[int] = []  # per tree slot, its parent's cache slot (TreeAttention.parents)
         self.frontier: list[int] = []  # the nodes the next forward writes
+        # Per node whose first child was DRAWN from the draft's q (-1: the root), that q [V_target]: every row of an
+        # unseeded sampled request (rank_children), none of a greedy or seeded one (their children are ranked).
+        self.drawn_from: dict[int, torch.Tensor] = {}
 
     def _key(self, node: int) -> tuple[float, int, int]:
         return -self.logp[node], self.depth[node], node  # a parent before a child of equal probability
@@ -129,11 +134,16 @@ class DynamicTree:
         values, ids = torch.topk(probs.double(), min(self.top_k, probs.shape[-1]))
         self.add_top_children(node, values, ids)
 
-    def add_top_children(self, node: int, values: torch.Tensor, ids: torch.Tensor) -> None:
+    def add_top_children(self, node: int, values: torch.Tensor, ids: torch.Tensor,
+                         drawn_from: torch.Tensor | None = None) -> None:
         """add_children from the row's top tokens already picked: ids [k] and their probabilities [k], most
-        probable first (rank_children picks them for all its rows in one call)."""
+        probable first (rank_children picks them for all its rows in one call). drawn_from: the q [V_target] that
+        ids[0] was DRAWN from (the others then rank q's tokens besides it; values[0] is the draw's score, at least
+        every sibling's so that it stays first); None: ids are ranked."""
         if node >= 0 and self.depth[node] >= self.max_depth:
             return
+        if drawn_from is not None:
+            self.drawn_from[node] = drawn_from
         base_logp = self.logp[node] if node >= 0 else 0.0
         depth = self.depth[node] + 1 if node >= 0 else 1
         for rank, (value, token) in enumerate(zip(values.tolist(), ids.tolist())):
@@ -183,15 +193,33 @@ class DynamicTree:
         """How the forward that writes the frontier attends: every tree slot so far, parents by slot."""
         return TreeAttention(self.base, tuple(self.slot_parents))
 
+    def proposal_order(self) -> list[int]:
+        """The max_nodes best candidates in node order, siblings most probable first (a drawn child first)."""
+        return number_nodes(self.best(), lambda n: None if self.parents[n] < 0 else self.parents[n],
+                            lambda n: self.depth[n], self._key)
+
     def proposal_nodes(self) -> tuple[list[int], list[int], list[float]]:
-        """(tokens, parents, path probabilities) of the max_nodes best candidates in node order, siblings most
-        probable first."""
-        kept = self.best()
-        ordered = number_nodes(kept, lambda n: None if self.parents[n] < 0 else self.parents[n],
-                               lambda n: self.depth[n], self._key)
+        """(tokens, parents, path probabilities) of proposal_order's nodes."""
+        ordered = self.proposal_order()
         index = {node: i for i, node in enumerate(ordered)}
         return ([self.tokens[n] for n in ordered], [index[self.parents[n]] if self.parents[n] >= 0 else -1
                                                     for n in ordered], [math.exp(self.logp[n]) for n in ordered])
+
+
+def tree_proposal(tree: DynamicTree, device: torch.device, catch_up: int = 0) -> Proposal:
+    """A grown DynamicTree's proposal: deterministic_tree_proposal's where its children were ranked; where the
+    first child of every row was drawn from q (DRAWN_FIRST), the proposal carries for each node the q of its
+    parent's row [N, V_target]: a chain of draws (one child a row) is today's sampled chain, else the tree."""
+    ordered = tree.proposal_order()
+    tokens, parents, chances = tree.proposal_nodes()
+    if not tree.drawn_from or not ordered:
+        return deterministic_tree_proposal(tokens, parents, chances, device, catch_up)
+    ids = torch.tensor(tokens, dtype=torch.long, device=device)
+    q = torch.stack([tree.drawn_from[tree.parents[n]] for n in ordered]).to(device)  # [N, V_target]
+    if parents == list(range(-1, len(tokens) - 1)):  # a line: each node its row's draw, verified as a chain
+        return Proposal(ids, q, catch_up=catch_up)
+    return Proposal(ids, q, catch_up=catch_up, tree=TokenTree.from_parents(ids, parents, ChildSelection.DRAWN_FIRST),
+                    scores=torch.tensor(chances, dtype=torch.float32, device=device))
 
 
 def ranks_on_part(seq) -> bool:
@@ -202,14 +230,19 @@ def ranks_on_part(seq) -> bool:
 
 
 def rank_children(seq, tree: DynamicTree, nodes: list[int], logits: torch.Tensor,
-                  vocab_ids: torch.Tensor | None = None) -> None:
+                  vocab_ids: torch.Tensor | None = None, target_vocab: int = 0) -> None:
     """Rank the children of `nodes` (-1: the root) of a draft's DynamicTree from its logits after each
     [len(nodes), V_target] (-inf for tokens it cannot propose), or [len(nodes), V'] over the tokens vocab_ids
     [V'] (a draft of part of the vocabulary; only where ranks_on_part(seq)):
     the draft's processed distribution (softmax of the penalised logits for a greedy request); for a seeded
-    request the softmax of the noise-coupled scores its draw at that position maximises."""
+    request the softmax of the noise-coupled scores its draw at that position maximises. An unseeded sampled
+    request's first child a row is instead a draw from q, as its chain's draft token is, and the others q's most
+    probable tokens besides it (ChildSelection.DRAWN_FIRST: the tree verifies at least the chain's path)."""
     if vocab_ids is not None and not ranks_on_part(seq):
         raise ValueError("rank_children: this request's processing reads token ids; pass full-vocabulary logits")
+    if vocab_ids is not None and target_vocab < vocab_ids.numel():
+        raise ValueError(f"rank_children: logits over part of the vocabulary need the target's vocabulary size "
+                         f"(target_vocab, got {target_vocab}) for the q its drawn children are verified with")
     logits = logits.to(seq.device)
     paths = [tree.path(n) for n in nodes]
     if seq.penalties is None:  # rows do not depend on their paths: one call
@@ -229,27 +262,44 @@ def rank_children(seq, tree: DynamicTree, nodes: list[int], logits: torch.Tensor
         scores = sampling.scores_with_log_noise(processed, log_noise).float()
     else:  # the draft's probabilities already
         scores = None
-    if scores is None:
-        probs, ids = torch.topk(processed.float(), k)
+    drawn_from: list[torch.Tensor | None] = [None] * len(nodes)
+    if scores is None:  # unseeded sampling: the first child is a draw from q (the chain's), then q's best others
+        q = processed.float()  # [rows, V] the draft's probabilities
+        drawn = sampling.draw(q, seq.generator).tolist()  # [rows]
+        top, top_ids = (t.tolist() for t in torch.topk(q, k))
+        # The draw's score is the row's top probability (a node's chance, what the tree ranks and sizes by):
+        # a draw from q is accepted about as often as the top token, and it must stay its siblings' first.
+        # Its siblings: the row's top k without it, k - 1 of them.
+        rows = [([x] + [t for t in row_ids if t != x][:k - 1], [values[0]] + [v for v, t in zip(values, row_ids)
+                                                                             if t != x][:k - 1])
+                for x, values, row_ids in zip(drawn, top, top_ids)]
+        ids = torch.tensor([r[0] for r in rows], dtype=torch.long)
+        probs = torch.tensor([r[1] for r in rows], dtype=torch.float64)
+        if vocab_ids is None:
+            drawn_from = list(q)
+        else:
+            full = q.new_zeros(len(nodes), target_vocab)
+            full[:, vocab_ids.to(q.device)] = q
+            drawn_from = list(full)
     else:
         top, ids = torch.topk(scores, k)
         probs = (top.double() - torch.logsumexp(scores, -1, keepdim=True).double()).exp()
     if vocab_ids is not None:
         ids = vocab_ids.to(ids.device)[ids]
-    for node, row, row_ids in zip(nodes, probs, ids):
-        tree.add_top_children(node, row, row_ids)
+    for node, row, row_ids, q_row in zip(nodes, probs, ids, drawn_from):
+        tree.add_top_children(node, row, row_ids, q_row)
 
 
 def grow_trees(seqs, trees: dict[int, DynamicTree], root_logits: torch.Tensor, levels: int, forward_level,
-               vocab_ids: torch.Tensor | None = None) -> None:
+               vocab_ids: torch.Tensor | None = None, target_vocab: int = 0) -> None:
     """Grow each sequence's DynamicTree level by level (EAGLE-2): rank the root's children from root_logits
     [len(trees), V_target] (a row per tree, in the dict's order), then for each level below `levels` let every
     tree that has nodes worth expanding pick its frontier, run forward_level(rows) (ONE draft forward writing the
     frontiers of trees[j], j in rows, in that order; it returns their logits [sum of frontiers, V_target]) and
     rank the frontier's children. seqs[j] is the sequence of trees[j]. vocab_ids: the logits are over these
-    tokens [V'] instead (rank_children)."""
+    tokens [V'] instead, of a target vocabulary of target_vocab tokens (rank_children)."""
     for row, j in enumerate(trees):
-        rank_children(seqs[j], trees[j], [-1], root_logits[row:row + 1], vocab_ids)
+        rank_children(seqs[j], trees[j], [-1], root_logits[row:row + 1], vocab_ids, target_vocab)
     for level in range(1, levels):
         rows = [j for j in trees if trees[j].next_frontier(level)]
         if not rows:
@@ -257,5 +307,6 @@ def grow_trees(seqs, trees: dict[int, DynamicTree], root_logits: torch.Tensor, l
         logits, offset = forward_level(rows), 0
         for j in rows:
             count = len(trees[j].frontier)
-            rank_children(seqs[j], trees[j], trees[j].frontier, logits[offset:offset + count], vocab_ids)
+            rank_children(seqs[j], trees[j], trees[j].frontier, logits[offset:offset + count], vocab_ids,
+                          target_vocab)
             offset += count

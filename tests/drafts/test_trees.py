@@ -16,7 +16,8 @@ from quickdraft.drafts.draft_model import DraftModelProposer
 from quickdraft.drafts.ngram import NgramProposer
 from quickdraft.drafts.suffix import SuffixProposer
 from quickdraft.drafts.suffix_tree import SuffixIndex
-from quickdraft.drafts.trees import DynamicTree, deterministic_tree_proposal, frequency_trie, rank_children
+from quickdraft.drafts.trees import (DynamicTree, deterministic_tree_proposal, frequency_trie, rank_children,
+                                     tree_proposal)
 from quickdraft.models.base import TreeAttention
 from quickdraft.params import SamplingParams
 from quickdraft.sequence import Sequence
@@ -85,16 +86,56 @@ def test_rank_children_on_part_of_the_vocabulary_is_the_full_rows_ranking(params
     trees = []
     for logits, ids in ((part, vocab_ids), (full, None)):
         tree = DynamicTree(base=3, max_nodes=6, max_depth=2, capacity=10)
-        rank_children(_sequence([1, 2, 3], params), tree, [-1], logits[:1], ids)
+        torch.manual_seed(0)  # an unseeded sampled request's first children are draws: the same ones both ways
+        rank_children(_sequence([1, 2, 3], params), tree, [-1], logits[:1], ids, V)
         frontier = tree.next_frontier(1)
-        rank_children(_sequence([1, 2, 3], params), tree, frontier, logits[1:].expand(len(frontier), -1), ids)
+        rank_children(_sequence([1, 2, 3], params), tree, frontier, logits[1:].expand(len(frontier), -1), ids, V)
         trees.append(tree)
     assert trees[0].tokens == trees[1].tokens and trees[0].parents == trees[1].parents
     assert trees[0].logp == pytest.approx(trees[1].logp, rel=1e-6)
     assert set(trees[0].tokens) <= set(vocab_ids.tolist())
+    assert trees[0].drawn_from.keys() == trees[1].drawn_from.keys() and bool(trees[0].drawn_from) == \
+        (not params.greedy)
+    for node, q in trees[0].drawn_from.items():  # the q the draws came from, over the whole vocabulary
+        assert q.shape == (V,) and torch.allclose(q, trees[1].drawn_from[node]) and q[[0, 2, 5]].sum() == 0
+    with pytest.raises(ValueError, match="target_vocab"):
+        rank_children(_sequence([1, 2, 3], params), DynamicTree(base=3, max_nodes=6, max_depth=2, capacity=10),
+                      [-1], part[:1], vocab_ids)
     with pytest.raises(ValueError, match="full-vocabulary"):  # penalties read token ids: not on a part
         rank_children(_sequence([1, 2, 3], SamplingParams(temperature=0, repetition_penalty=1.2)),
                       DynamicTree(base=3, max_nodes=6, max_depth=2, capacity=10), [-1], part[:1], vocab_ids)
+
+
+def test_sampled_trees_draw_each_rows_first_child_and_rank_the_others():
+    """An unseeded sampled request: each expanded row's first child is a draw from the draft's q (the token its
+    chain would draw), the others q's most probable remaining tokens; the proposal is a DRAWN_FIRST tree carrying,
+    per node, the q of its parent's row; a tree of one child a row is a chain of draws with their q."""
+    params = SamplingParams(temperature=1.0)
+    logits = torch.tensor([[3.0, 2.5, 2.0, -9.0, -9.0, -9.0, -9.0, -9.0]])
+    q = torch.softmax(logits[0], -1)
+    firsts = set()
+    for seed in range(40):
+        tree = DynamicTree(base=3, max_nodes=3, max_depth=1, capacity=10, top_k=3)
+        torch.manual_seed(seed)
+        rank_children(_sequence([1, 2, 3], params), tree, [-1], logits)
+        assert tree.top == [True, False, False] and sorted(tree.tokens) == [0, 1, 2]
+        others = [t for t in (0, 1, 2) if t != tree.tokens[0]]
+        assert tree.tokens[1:] == others  # ranked by q: the lower ids are the more probable here
+        assert tree.logp[0] == pytest.approx(math.log(q[0].item()))  # the draw scores as the top token
+        proposal = tree_proposal(tree, CPU, catch_up=1)
+        assert proposal.tree.selection.tolist() == [int(ChildSelection.DRAWN_FIRST)] * 3
+        assert torch.equal(proposal.probs, q.expand(3, -1)) and proposal.catch_up == 1
+        firsts.add(tree.tokens[0])
+    assert firsts == {0, 1, 2}  # drawn, not always the top token
+    line = DynamicTree(base=3, max_nodes=2, max_depth=2, capacity=10, top_k=1)
+    rank_children(_sequence([1, 2, 3], params), line, [-1], logits)
+    rank_children(_sequence([1, 2, 3], params), line, line.next_frontier(1), logits)
+    chain = tree_proposal(line, CPU)
+    assert chain.tree is None and chain.tokens.tolist() == line.tokens and torch.equal(chain.probs, q.expand(2, -1))
+    greedy = DynamicTree(base=3, max_nodes=3, max_depth=1, capacity=10, top_k=3)
+    rank_children(_sequence([1, 2, 3]), greedy, [-1], logits)
+    ranked = tree_proposal(greedy, CPU)
+    assert greedy.tokens == [0, 1, 2] and ranked.probs is None and not ranked.tree.needs_draft_probs
 
 
 def test_dynamic_tree_respects_the_cache_capacity():
@@ -291,7 +332,7 @@ def test_draft_model_tree_of_a_chain_budget_reranks_siblings():
     assert proposal.tokens.tolist() == [4, 5, 5] and proposal.tree.parents.tolist() == [-1, -1, 0]
 
 
-def test_draft_model_tree_seeded_ranks_by_the_coupled_draw_and_sampled_needs_no_q():
+def test_draft_model_tree_seeded_ranks_by_the_coupled_draw_and_sampled_draws_its_first_children():
     proposer, runner = _draft_proposer()
     for noise_key in range(4):
         params = SamplingParams(temperature=1.0, seed=noise_key)
@@ -302,10 +343,23 @@ def test_draft_model_tree_seeded_ranks_by_the_coupled_draw_and_sampled_needs_no_
         (tree,) = proposer.propose_tree_batch([tree_seq], [TreeBudget(4, 2)])
         assert tree.tokens[0] == chain.tokens[0]  # the first root child is the seeded draw's draft
         assert tree.probs is None
-    sampled = _sequence([1, 2, 3], SamplingParams(temperature=1.0))
-    sampled.draft_state = proposer.new_state(sampled)
-    (proposal,) = proposer.propose_tree_batch([sampled], [TreeBudget(4, 2)])
-    assert proposal.probs is None and proposal.tokens.tolist()[:2] == [4, 5]  # by probability, not drawn
+    # Unseeded sampling: the root's first child is the token the chain draws with the same random state, each
+    # node carries its parent row's q, and the tree is DRAWN_FIRST.
+    firsts = set()
+    for seed in range(12):
+        chain_seq, tree_seq = (_sequence([1, 2, 3], SamplingParams(temperature=1.0)) for _ in range(2))
+        for seq in (chain_seq, tree_seq):
+            seq.draft_state = proposer.new_state(seq)
+        torch.manual_seed(seed)
+        chain = proposer.propose_batch([chain_seq], [1])[0]
+        torch.manual_seed(seed)
+        (proposal,) = proposer.propose_tree_batch([tree_seq], [TreeBudget(4, 2)])
+        assert proposal.tokens[0] == chain.tokens[0] and torch.equal(proposal.probs[0], chain.probs[0])
+        assert proposal.probs.shape == (proposal.tokens.numel(), V)
+        if proposal.tree is not None:
+            assert set(proposal.tree.selection.tolist()) == {int(ChildSelection.DRAWN_FIRST)}
+        firsts.add(int(proposal.tokens[0]))
+    assert len(firsts) > 1  # drawn, not ranked
 
 
 class _AllowAll:

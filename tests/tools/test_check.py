@@ -260,7 +260,7 @@ def test_check_rejects_bad_arguments():
 
 
 # --- token trees ------------------------------------------------------------------------------------------
-def _check_trees(method: str, monkeypatch, **options):
+def _check_trees(method: str, monkeypatch, samples: int = N, **options):
     """check() with token trees of up to 6 nodes and depth 3 (K = 3), counting the trees verified."""
     config = {**_config(method), "tree": {"max_nodes": 6, "max_depth": 3}}
     llm = LLM(_models()[0], speculative_config=config, dtype="float32", device="cpu")
@@ -272,13 +272,14 @@ def _check_trees(method: str, monkeypatch, **options):
         return verify_tree_of(seq, batch, processed, i)
 
     monkeypatch.setattr(Engine, "_verify_tree", staticmethod(counting))
-    report = check(llm, PROMPTS, SamplingParams(**SETTINGS["t0.7"]), max_tokens=MAX_TOKENS, samples=N, **options)
+    report = check(llm, PROMPTS, SamplingParams(**SETTINGS["t0.7"]), max_tokens=MAX_TOKENS, samples=samples,
+                   **options)
     return report, verified
 
 
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
 def test_check_passes_with_token_trees(method, monkeypatch):
-    """Trees (several children per node: the draft model's top tokens, ngram's continuations) verified by
+    """Trees (several children per node: the draft model's draw and ranked tokens, ngram's continuations) verified by
     recursive rejection sampling pass the exact-law check, and trees were verified."""
     report, verified = _check_trees(method, monkeypatch)
     assert report.passed, report.render()
@@ -294,6 +295,28 @@ def test_check_fails_with_token_trees_and_a_wrong_residual(monkeypatch):
     report, verified = _check_trees("draft_model", monkeypatch)
     _fails_statistically(report)
     assert verified
+
+
+def test_check_fails_when_a_drawn_childs_ranked_siblings_are_verified_as_draws(monkeypatch):
+    """A planted defect in the draft model's sampled trees: each row's first child is drawn from q and the others
+    ranked (DRAWN_FIRST), but the tree says all were drawn i.i.d. (IID), so the ranked siblings are accepted with
+    min(1, r / q) as if q had proposed them: SpecInfer's rule where it is not exact. check must FAIL."""
+    from quickdraft.drafts import draft_model
+    from quickdraft.token_tree import ChildSelection, TokenTree
+
+    def as_draws(tree, device, catch_up=0):
+        proposal = tree_proposal(tree, device, catch_up)
+        if proposal.tree is not None:
+            proposal.tree = TokenTree.from_parents(proposal.tokens, proposal.tree.parents.tolist(), ChildSelection.IID)
+        return proposal
+
+    tree_proposal = draft_model.tree_proposal
+    monkeypatch.setattr(draft_model, "tree_proposal", as_draws)
+    # On a vocabulary of 4 the siblings are every other token and the defect moves the law by less than the
+    # other planted ones: 3000 samples (at 1000 it failed at p ~ 1e-4, short of _fails_statistically's margin).
+    report, verified = _check_trees("draft_model", monkeypatch, samples=3 * N)
+    _fails_statistically(report)
+    assert max(verified) > 1
 
 
 # --- the command line -------------------------------------------------------------------------------------

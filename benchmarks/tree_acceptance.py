@@ -22,7 +22,7 @@ import statistics
 
 import torch
 
-from tree_vs_chain import held_out_prompts
+from tree_vs_chain import MODEL_LESS, chat_prompt_ids, held_out_prompts
 
 
 def expected_accepted(tree, accept_probs: torch.Tensor) -> float:
@@ -86,15 +86,11 @@ def main() -> None:
 
     quiet_transformers()
     nodes, depth = (int(x) for x in args.tree.split(","))
-    method = {"method": args.draft} if args.draft in {"eagle", "ngram", "suffix"} else \
-        {"method": "draft_model", "model": args.draft}
+    method = {"method": args.draft} if args.draft in MODEL_LESS else {"method": "draft_model", "model": args.draft}
     llm = LLM(args.target, speculative_config={**method, "num_speculative_tokens": depth, "adaptive": False,
                                                "tree": {"max_nodes": nodes, "max_depth": depth}})
-    tokenizer = llm.tokenizer
-    texts, kinds = held_out_prompts(args.code_prompts, args.spec_bench)
-    prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                       tokenize=False), add_special_tokens=False)["input_ids"]
-               for t in texts]
+    texts, _ = held_out_prompts(args.code_prompts, args.spec_bench)
+    prompts = chat_prompt_ids(llm.tokenizer, texts)
 
     scored: list[tuple[float, float]] = []  # this prompt's tree steps: (tree, chain) accepted tokens
     verify_tree_of = Engine._verify_tree

@@ -44,6 +44,13 @@ def held_out_prompts(code: int, spec_bench: int, skip: int = 10) -> tuple[list[s
     return texts + picked, kinds + ["spec-bench"] * len(picked)
 
 
+def chat_prompt_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text as one user turn in the model's chat template, as token ids."""
+    return [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                    tokenize=False), add_special_tokens=False)["input_ids"]
+            for t in texts]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
@@ -78,9 +85,7 @@ def main() -> None:
     tree_llm = chain.with_speculative_config({**base, "tree": tree})
     tokenizer = chain.tokenizer
     texts, kinds = held_out_prompts(args.code_prompts, args.spec_bench)
-    prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                       tokenize=False), add_special_tokens=False)["input_ids"]
-               for t in texts]
+    prompts = chat_prompt_ids(tokenizer, texts)
     n = args.max_new_tokens
 
     def run(llm, ids, temperature, seed):

@@ -177,14 +177,13 @@ def tree_acceptance(tree: TokenTree, target_probs: torch.Tensor, draft_probs: to
         proposal = point
         if drawn:
             q = draft_probs.index_select(-2, nodes).to(target_probs.dtype)  # [..., n, V]
+            mode = tree.selection.index_select(0, nodes)[:, None]  # [n, 1]
             if rank > 0 and removed is not None:  # without replacement: the earlier siblings removed, renormalised
-                mode = tree.selection.index_select(0, nodes)[:, None]  # [n, 1]
                 kept = q.masked_fill(removed.index_select(-2, rows), 0.0)
                 without = kept / kept.sum(-1, keepdim=True).clamp_min(tiny)
                 q = torch.where(mode == ChildSelection.WITHOUT_REPLACEMENT, without, q)
             proposal = q
             if ranked:  # this rank mixes drawn and ranked children (of different rows)
-                mode = tree.selection.index_select(0, nodes)[:, None]  # [n, 1]
                 is_ranked = mode == ChildSelection.DETERMINISTIC
                 if rank > 0:
                     is_ranked = is_ranked | (mode == ChildSelection.DRAWN_FIRST)

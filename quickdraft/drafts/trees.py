@@ -198,9 +198,9 @@ class DynamicTree:
         return number_nodes(self.best(), lambda n: None if self.parents[n] < 0 else self.parents[n],
                             lambda n: self.depth[n], self._key)
 
-    def proposal_nodes(self) -> tuple[list[int], list[int], list[float]]:
-        """(tokens, parents, path probabilities) of proposal_order's nodes."""
-        ordered = self.proposal_order()
+    def proposal_nodes(self, ordered: list[int] | None = None) -> tuple[list[int], list[int], list[float]]:
+        """(tokens, parents, path probabilities) of proposal_order's nodes (`ordered`, where already computed)."""
+        ordered = self.proposal_order() if ordered is None else ordered
         index = {node: i for i, node in enumerate(ordered)}
         return ([self.tokens[n] for n in ordered], [index[self.parents[n]] if self.parents[n] >= 0 else -1
                                                     for n in ordered], [math.exp(self.logp[n]) for n in ordered])
@@ -211,7 +211,7 @@ def tree_proposal(tree: DynamicTree, device: torch.device, catch_up: int = 0) ->
     first child of every row was drawn from q (DRAWN_FIRST), the proposal carries for each node the q of its
     parent's row [N, V_target]: a chain of draws (one child a row) is today's sampled chain, else the tree."""
     ordered = tree.proposal_order()
-    tokens, parents, chances = tree.proposal_nodes()
+    tokens, parents, chances = tree.proposal_nodes(ordered)
     if not tree.drawn_from or not ordered:
         return deterministic_tree_proposal(tokens, parents, chances, device, catch_up)
     ids = torch.tensor(tokens, dtype=torch.long, device=device)

@@ -472,7 +472,7 @@ class Engine:
         if any(matched):
             # Greedy matching of the target's tokens (argmax, or its seeded draws) over the whole batch; the rows
             # of rejection-sampled sequences take part but their results are not read.
-            target_tokens = processed.argmax(-1)  # [num_rows]
+            target_tokens = sampling.argmax_rows(processed)  # [num_rows]
             if seeded_draws:
                 target_tokens = target_tokens.index_copy(
                     0, torch.tensor(seeded_rows, device=processed.device), torch.cat(seeded_draws))

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from quickdraft.sampling import draw, scores_with_log_noise
+from quickdraft.sampling import argmax_rows, draw, scores_with_log_noise
 from quickdraft.token_tree import ChildSelection, TokenTree
 
 
@@ -86,7 +86,7 @@ def tree_greedy_accept(tree: TokenTree, target_logits: torch.Tensor) -> TreeVerd
 
     target_logits: [..., N + 1, V] (processed, e.g. penalised, per row with its own path's history)."""
     _check_rows(tree, target_logits, "target_logits")
-    return _match(tree, target_logits.argmax(-1))
+    return _match(tree, argmax_rows(target_logits))
 
 
 def tree_seeded_accept(tree: TokenTree, target_probs: torch.Tensor, log_noise: torch.Tensor) -> TreeVerdict:

@@ -204,3 +204,75 @@ def test_draw_is_exact_and_never_picks_a_zero_weight_token(monkeypatch):
     for u, token in ((0.0, 1), (1 - 2 ** -53, 6)):
         monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full_like(real_rand(*a, **k), u))
         assert draw(weights[None]).tolist() == [token]
+
+
+# --- argmax_rows and top_k_rows: the compiled row reductions against torch's ------------------------------------
+
+needs_row_kernels = pytest.mark.skipif(_sampling._row_kernels(torch.zeros(1, 1)) is None,
+                                       reason="the compiled CPU kernels do not run here (torch's reductions are used)")
+
+
+def _rows_with_edges() -> list[torch.Tensor]:
+    """Rows of every length class (below 16, a multiple of 16, a remainder), ties, -inf entries, all -inf."""
+    gen = torch.Generator().manual_seed(7)
+    cases = [torch.randn(rows, vocab, generator=gen) for rows, vocab in ((1, 1), (2, 5), (3, 16), (4, 17), (5, 151936),
+                                                                         (2, 49152 + 3))]
+    ties = torch.randint(0, 4, (6, 333), generator=gen).float()  # many equal maxima and equal top values
+    masked = torch.randn(4, 100, generator=gen).masked_fill(torch.rand(4, 100, generator=gen) < 0.97, float("-inf"))
+    masked[3] = float("-inf")  # a row with nothing above -inf
+    late_max = torch.zeros(2, 1000)
+    late_max[0, 999], late_max[1, 16] = 1.0, 1.0  # the maximum in the scalar tail / at a vector's first lane
+    return cases + [ties, masked, late_max]
+
+
+@needs_row_kernels
+def test_argmax_rows_is_torchs_first_maximum():
+    for x in _rows_with_edges():
+        assert torch.equal(_sampling.argmax_rows(x), x.argmax(-1))
+        assert torch.equal(_sampling.argmax_rows(x[0]), x[0].argmax(-1))  # one row, 1-D
+
+
+@needs_row_kernels
+@pytest.mark.parametrize("k", [1, 2, 4, 10])
+def test_top_k_rows_are_torchs_values_with_equal_ones_in_index_order(k):
+    for x in _rows_with_edges():
+        kk = min(k, x.shape[-1])
+        values, indices, lse = _sampling.top_k_rows(x, kk, with_logsumexp=True)
+        expected, _ = torch.topk(x, kk)
+        assert torch.equal(values, expected)
+        assert torch.equal(x.gather(1, indices), values)  # the indices hold those values
+        for row in range(x.shape[0]):  # distinct indices, equal values in index order
+            ids = indices[row].tolist()
+            assert len(set(ids)) == kk
+            for a in range(kk - 1):
+                if values[row, a] == values[row, a + 1]:
+                    assert ids[a] < ids[a + 1]
+            finite = int(torch.isfinite(x[row]).sum())
+            if finite < kk:  # completed with the lowest-index -inf entries
+                rest = [i for i in range(x.shape[-1]) if x[row, i] == float("-inf")][: kk - finite]
+                assert ids[finite:] == rest
+        torch.testing.assert_close(lse, torch.logsumexp(x, -1), rtol=2e-6, atol=1e-6)
+        assert torch.equal(_sampling.top_k_rows(x, kk)[0], values)  # without the logsumexp
+
+
+@needs_row_kernels
+def test_rows_with_nan_or_inf_fall_back_to_torch():
+    x = torch.randn(3, 40)
+    x[1, 7] = float("nan")
+    assert torch.equal(_sampling.argmax_rows(x), x.argmax(-1))  # torch takes the NaN as the maximum
+    values, indices = _sampling.top_k_rows(x, 3)
+    expected = torch.topk(x, 3)
+    assert torch.equal(indices, expected.indices) and values[1, 0].isnan()
+    y = torch.randn(2, 40)
+    y[0, 3] = float("inf")
+    _, indices, lse = _sampling.top_k_rows(y, 2, with_logsumexp=True)
+    assert indices[0, 0] == 3 and lse[0] == float("inf")
+
+
+def test_row_reductions_of_other_rows_are_torchs():
+    x = torch.randn(3, 50, dtype=torch.float64)  # not float32
+    assert torch.equal(_sampling.argmax_rows(x), x.argmax(-1))
+    assert torch.equal(_sampling.top_k_rows(x, 4)[0], torch.topk(x, 4).values)
+    y = torch.randn(50, 3).t()  # not contiguous
+    assert torch.equal(_sampling.argmax_rows(y), y.argmax(-1))
+    assert torch.equal(_sampling.top_k_rows(y, 2)[0], torch.topk(y, 2).values)

@@ -266,7 +266,7 @@ def rank_children(seq, tree: DynamicTree, nodes: list[int], logits: torch.Tensor
     if scores is None:  # unseeded sampling: the first child is a draw from q (the chain's), then q's best others
         q = processed.float()  # [rows, V] the draft's probabilities
         drawn = sampling.draw(q, seq.generator).tolist()  # [rows]
-        top, top_ids = (t.tolist() for t in torch.topk(q, k))
+        top, top_ids = (t.tolist() for t in sampling.top_k_rows(q, k))
         # The draw's score is the row's top probability (a node's chance, what the tree ranks and sizes by):
         # a draw from q is accepted about as often as the top token, and it must stay its siblings' first.
         # Its siblings: the row's top k without it, k - 1 of them.
@@ -282,8 +282,8 @@ def rank_children(seq, tree: DynamicTree, nodes: list[int], logits: torch.Tensor
             full[:, vocab_ids.to(q.device)] = q
             drawn_from = list(full)
     else:
-        top, ids = torch.topk(scores, k)
-        probs = (top.double() - torch.logsumexp(scores, -1, keepdim=True).double()).exp()
+        top, ids, lse = sampling.top_k_rows(scores, k, with_logsumexp=True)
+        probs = (top.double() - lse.double()[:, None]).exp()
     if vocab_ids is not None:
         ids = vocab_ids.to(ids.device)[ids]
     for node, row, row_ids, q_row in zip(nodes, probs, ids, drawn_from):

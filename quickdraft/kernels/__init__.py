@@ -27,7 +27,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [str(Path(__file__).with_name(name)) for name in (
-    "cpu_linear.cpp", "cpu_attention.cpp", "cpu_decoder.cpp", "cpu_quant.cpp", "cpu_quant_vnni.cpp")]
+    "cpu_linear.cpp", "cpu_attention.cpp", "cpu_decoder.cpp", "cpu_quant.cpp", "cpu_quant_vnni.cpp",
+    "cpu_rows.cpp")]
 _state: dict[str, object] = {}
 
 

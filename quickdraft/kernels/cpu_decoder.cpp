@@ -189,6 +189,8 @@ class Decoder {
 }  // namespace
 
 bool amx_available();  // cpu_linear.cpp
+std::tuple<torch::Tensor, bool> rows_argmax(torch::Tensor x);  // cpu_rows.cpp
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, bool> rows_top_k(torch::Tensor x, int64_t k, bool with_logsumexp);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "causal (optionally sliding-window) attention of a decoding step, packed keys");
@@ -225,6 +227,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "returns the setting before");
   m.def("set_quant_amx_rows", &set_quant_amx_rows, "from how many rows the integer kernels use AMX-INT8 tiles "
         "(0: the measured default); returns the setting before");
+  m.def("rows_argmax", &rows_argmax, "each float32 row's first index of its maximum, and whether a row holds a NaN");
+  m.def("rows_top_k", &rows_top_k, "each float32 row's k largest values and their indices (ties in index order), its "
+        "logsumexp if asked, and whether every row was computed (no NaN; no +inf for logsumexp)",
+        py::arg("x"), py::arg("k"), py::arg("with_logsumexp") = false);
   m.def("dequantize_rows", &dequantize_rows, "rows of a packed quantized weight as float32 (the embedding lookup)");
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<int64_t, double, double, bool, bool>())

@@ -382,22 +382,25 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
             for k, cap, s in zip(chosen, caps, stats)]
 
 
-def choose_tree_nodes(chances: list[list[float]], base_rows: int, costs: BatchCosts) -> list[int]:
-    """How many nodes of each sequence's candidate token tree to verify (its nodes taken best first), maximising
-    the whole batch's expected tokens per second of verification: choose_batch_k's rule with tree nodes as the
-    candidates, priced by the target forward's measured cost by rows (the tree is drafted already: its draft
-    forwards are spent whatever is kept; its depth was chosen before drafting, by choose_batch_k).
+def choose_tree_nodes(chances: list[list[float]], base_rows: int, costs: BatchCosts,
+                      base_tokens: float = 0.0) -> list[int]:
+    """How many of each sequence's candidate tree nodes to verify (taken best first) besides the rows every
+    sequence verifies anyway, maximising the whole batch's expected tokens per second of verification:
+    choose_batch_k's rule with tree nodes as the candidates, priced by the target forward's measured cost by rows
+    (the tree is drafted already: its draft forwards are spent whatever is kept; its depth was chosen before
+    drafting, by choose_batch_k).
 
-    chances[i][j]: the expected contribution of the j-th best node of sequence i's tree to the accepted path,
+    chances[i][j]: the expected contribution of the j-th best candidate of sequence i's tree to the accepted path,
     i.e. the probability that the path passes through it (for DETERMINISTIC children, the product of the
     target's probabilities along its path; a proposer estimates it by the draft's, EAGLE-2's path confidence,
     times a measured calibration), best first. A node's chance is at most its parent's, so a sequence's best-first
-    nodes (ties by node order) always form a subtree. Every sequence keeps its whole tree while the target's
-    cost is not measured; 0 where verifying no tree is faster."""
+    nodes (ties by node order) always form a subtree. base_rows: the rows verified whatever is chosen;
+    base_tokens: the expected accepted tokens of the nodes among them (each sequence's step emits one more).
+    Every sequence keeps all its candidates while the target's cost is not measured; 0 where none pays."""
     if costs.step_seconds(base_rows, 0, 0, False) is None:
         return [len(c) for c in chances]
     candidates = sorted((-chance, j, i) for i, seq_chances in enumerate(chances) for j, chance in enumerate(seq_chances))
-    tokens = float(len(chances))
+    tokens = float(len(chances)) + base_tokens
     best_rate = tokens / costs.step_seconds(base_rows, 0, 0, False)
     best_m = 0
     for m, (neg_gain, _, _) in enumerate(candidates, start=1):

@@ -305,27 +305,37 @@ class Engine:
         return self._tree_calibration[kind]
 
     def _size_trees(self, seqs: list[Sequence], kinds: list[str], proposals: list[Proposal]) -> list[Proposal]:
-        """"tree": "auto": each candidate tree (a proposal with node scores) cut to the nodes worth verifying for
-        the batch's expected tokens per second (adaptive.choose_tree_nodes over the measured step costs by rows);
-        its best-first nodes by calibrated chance, down to nothing."""
+        """"tree": "auto": each candidate tree (a proposal with node scores) cut to its chain (the first-child path,
+        kept whole: the depth adaptive K chose for it from measured acceptance) and those of its other nodes worth
+        verifying for the batch's expected tokens per second (adaptive.choose_tree_nodes over the measured step
+        costs by rows), best first by calibrated chance.
+
+        Why the chain is kept whole: the draft's confidence is a poor guide to a sampled draw's acceptance (a draw
+        from q is accepted with sum min(p, q), whatever q's top probability), and cutting by it lost tokens that
+        the chain, sized by measured acceptance, keeps: at T = 0.8 on the Qwen pair 39% of auto's trees lost part of
+        their chain (2.66 -> 2.03 nodes) and auto took 0.90x the adaptive chain's tokens a forward
+        (benchmarks/RESULTS.md, session 31)."""
         sized = [i for i, p in enumerate(proposals) if p.tree is not None and p.scores is not None]
         if not sized:
             return proposals
         base_rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs) + sum(
             int(p.tokens.numel()) for i, p in enumerate(proposals) if i not in sized)
-        chances, orders = [], []
+        chances, orders, chains, base_tokens = [], [], [], 0.0
         for i in sized:
             scores = (proposals[i].scores.float().cpu() * self._calibration(kinds[i]).factor).clamp(max=1.0).tolist()
-            order = sorted(range(len(scores)), key=lambda j: (-scores[j], j))  # parents first among equals
-            chances.append([scores[j] for j in order])
+            chain = proposals[i].tree.first_child_path()
+            in_chain = set(chain)
+            order = sorted((j for j in range(len(scores)) if j not in in_chain), key=lambda j: (-scores[j], j))
+            chances.append([scores[j] for j in order])  # parents first among equals
             orders.append(order)
-        counts = adaptive.choose_tree_nodes(chances, base_rows, self.batch_costs)
+            chains.append(chain)
+            base_rows += len(chain)
+            base_tokens += sum(scores[j] for j in chain)
+        counts = adaptive.choose_tree_nodes(chances, base_rows, self.batch_costs, base_tokens)
         out = list(proposals)
-        for i, order, count in zip(sized, orders, counts):
-            if count == 0:
-                out[i] = Proposal.empty(seqs[i].device)
-            elif count < len(order):
-                out[i] = proposals[i].pruned(sorted(order[:count]))
+        for i, order, chain, count in zip(sized, orders, chains, counts):
+            if len(chain) + count < int(proposals[i].tokens.numel()):
+                out[i] = proposals[i].pruned(sorted(chain + order[:count]))
         return out
 
     def _row_worth(self, seqs: list[Sequence], ks: list[int], kinds: list[str]) -> float:

@@ -199,6 +199,15 @@ class TokenTree:
         """The nodes scored by output row `row` (row 0: the root's children), in trial order."""
         return list(self._children.get(row - 1, []))
 
+    def first_child_path(self) -> list[int]:
+        """The nodes from the root down through each node's first child in trial order: the chain inside the tree
+        (a ranked tree's most probable line, a DRAWN_FIRST tree's draws: the chain its proposer would draft)."""
+        path, children = [], self._children.get(-1)
+        while children:
+            path.append(children[0])
+            children = self._children.get(children[0])
+        return path
+
     def children_mode(self, row: int) -> ChildSelection | None:
         """How the children of row `row` were chosen (None: it has none)."""
         return self._modes.get(row)

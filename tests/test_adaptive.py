@@ -532,3 +532,10 @@ def test_tree_calibration_moves_toward_the_accepted_share():
     for _ in range(40):
         calibration.update(predicted=4.0, accepted=2)
     assert calibration.factor == pytest.approx(0.5, abs=0.01)
+
+
+def test_choose_tree_nodes_weighs_extra_nodes_against_the_tokens_already_kept():
+    # A row costs 10% of a step; a candidate of chance 0.3 pays while the kept nodes expect few tokens, not once
+    # they expect 3 (a kept chain): 1.3 / 1.1 > 1 / 1, but 4.3 / 1.1 < 4 / 1.
+    assert adaptive.choose_tree_nodes([[0.3]], 1, _tree_costs(0.1)) == [1]
+    assert adaptive.choose_tree_nodes([[0.3]], 1, _tree_costs(0.1), base_tokens=3.0) == [0]

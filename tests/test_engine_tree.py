@@ -263,25 +263,28 @@ def test_trees_refuse_relaxed_acceptance(runner):
         Engine(runner, RandomTreeProposer(8, 0), 4, relaxed_threshold=0.5, tree=TreeSettings())
 
 
-def test_auto_trees_are_cut_to_the_chosen_nodes_and_stay_exact(runner, monkeypatch):
-    """"tree": "auto": the engine cuts each candidate tree to the best-first nodes adaptive.choose_tree_nodes
-    asks for (here forced to 3, then 0 on every third step); the output is still plain greedy's, the verified
-    trees are the best-scored subtrees, and a step cut to nothing is a plain step."""
+def test_auto_trees_keep_their_chain_and_the_chosen_nodes_and_stay_exact(runner, monkeypatch):
+    """"tree": "auto": the engine keeps each candidate tree's chain (its first-child path) and adds the best-first
+    other nodes adaptive.choose_tree_nodes asks for (here forced to 3, then 0 on every third step: the chain
+    alone); the output is still plain greedy's."""
     from quickdraft import adaptive
 
     calls = []
 
-    def choose(chances, base_rows, costs):
+    def choose(chances, base_rows, costs, base_tokens):
         calls.append([len(c) for c in chances])
         return [0 if len(calls) % 3 == 0 else min(3, len(c)) for c in chances]
 
     monkeypatch.setattr(adaptive, "choose_tree_nodes", choose)
+    monkeypatch.setattr(Engine, "_choose_ks", lambda self, seqs, kinds: [4] * len(seqs))  # depth 4 every step
+    candidates = []
 
     class ScoredTrees(RandomTreeProposer):
         def propose_tree_batch(self, seqs, budgets):
             out = super().propose_tree_batch(seqs, budgets)
             for p in out:  # deeper nodes score lower; among siblings the later ones
                 p.scores = torch.tensor([0.9 ** int(d) - 0.01 * int(r) for d, r in zip(p.tree.depth, p.tree.sibling_rank)])
+            candidates.extend(out)
             return out
 
     sp = SamplingParams(max_tokens=24, temperature=0)
@@ -293,14 +296,22 @@ def test_auto_trees_are_cut_to_the_chosen_nodes_and_stay_exact(runner, monkeypat
     original = engine._verify_batch
 
     def spy(seqs, logits, drafts, proposals):
-        verified.extend(p.tree for p in proposals)
+        verified.extend(p.tree for p in proposals if p.tree is not None)
         return original(seqs, logits, drafts, proposals)
 
     engine._verify_batch = spy
     _run_batch(engine, [seq])
     assert seq.output_ids == expected
-    assert max(max(c) for c in calls) == 11  # the candidates: whole trees (SHAPE's 11 nodes of depth <= 4)
-    trees = [t for t in verified if t is not None]
-    assert trees and len(trees) < len(verified) - 1  # some steps cut to nothing (the first is the prompt's)
-    # The best three nodes by score: the root's three children (0.9, 0.89, 0.88 beat every depth-2 node).
-    assert all(t.num_nodes == 3 and t.parents.tolist() == [-1, -1, -1] for t in trees)
+    assert len(verified) == len(candidates) == len(calls) > 3
+    assert max(max(c) for c in calls) == 7  # SHAPE's 11 nodes of depth <= 4 less the chain's 4
+
+    def node_paths(tree, nodes):
+        return {tuple(tree.path_tokens(n).tolist()) for n in nodes}
+
+    for step, (tree, candidate) in enumerate(zip(verified, candidates), start=1):
+        chain = candidate.tree.first_child_path()
+        others = sorted((j for j in range(candidate.tree.num_nodes) if j not in chain),
+                        key=lambda j: (-float(candidate.scores[j]), j))
+        kept = chain + (others[:3] if step % 3 else [])
+        assert node_paths(tree, range(tree.num_nodes)) == node_paths(candidate.tree, kept)
+        assert [int(tree.tokens[n]) for n in tree.first_child_path()] == [int(candidate.tree.tokens[n]) for n in chain]

@@ -146,3 +146,12 @@ def test_subtree_without_a_drawn_first_child_makes_its_kept_siblings_ranked():
     assert cut.selection.tolist() == [DET] and not cut.needs_draft_probs
     with pytest.raises(ValueError, match="repeat a token"):  # ranked siblings are other tokens than the draw
         TokenTree.from_parents([4, 4], [-1, -1], drawn)
+
+
+def test_first_child_path_is_the_chain_inside_the_tree():
+    # root -> 0 (children 2, 3), 1; 2 -> 4; 3 -> 5: first children 0, 2, 4
+    tree = TokenTree.from_parents(torch.tensor([5, 6, 7, 8, 9, 10]), [-1, -1, 0, 0, 2, 3], ChildSelection.DETERMINISTIC)
+    assert tree.first_child_path() == [0, 2, 4]
+    assert TokenTree.chain(torch.tensor([1, 2, 3])).first_child_path() == [0, 1, 2]
+    assert TokenTree.from_parents(torch.tensor([1, 2]), [-1, -1], ChildSelection.DETERMINISTIC).first_child_path() == [0]
+    assert TokenTree.from_parents(torch.empty(0, dtype=torch.long), [], ChildSelection.DETERMINISTIC).first_child_path() == []

@@ -48,7 +48,8 @@ class Engine:
         # ... per draft kind after the first (Proposer.draft_kind): lookup steps cost no draft forwards
         self._step_costs_by_kind: dict[str, adaptive.StepCosts] = {}
         self.batch_costs = adaptive.BatchCosts()  # any batch, by rows
-        self._tree_calibration: dict[str, adaptive.TreeCalibration] = {}  # per draft kind ("tree": "auto")
+        # Per draft kind and part of a tree ("chain": its first-child path, "branch": its other nodes; "tree": "auto")
+        self._tree_calibration: dict[tuple[str, str], adaptive.TreeCalibration] = {}
         self._acceptance_priors: dict[str, adaptive.AcceptancePrior] = {}  # per draft kind (acceptance_prior)
         self.eos_token_ids = set(eos_token_ids or ())
         self.max_len = min(max_len or target.max_len, target.max_len)
@@ -243,7 +244,13 @@ class Engine:
                 cache.compact(length, [length + j for j in nodes])
                 metrics.count_tree(tree.num_nodes, tree.max_depth, n)
                 if proposal.scores is not None:  # how the proposer's chances compare with what was accepted
-                    self._calibration(kinds[index]).update(float(proposal.scores.float().sum()), n)
+                    chain = tree.first_child_path()
+                    scores = proposal.scores.float().cpu()
+                    on_chain = float(scores[chain].sum()) if chain else 0.0
+                    accepted_on_chain = sum(1 for a, b in zip(nodes, chain) if a == b)  # the path's first nodes
+                    self._calibration(kinds[index], "chain").update(on_chain, accepted_on_chain)
+                    self._calibration(kinds[index], "branch").update(float(scores.sum()) - on_chain,
+                                                                     n - accepted_on_chain)
             metrics.target_forwards += 1
             metrics.draft_forwards += draft_forwards  # the batch's draft forwards served every sequence in it
             metrics.draft_time_s += t1 - t0
@@ -298,11 +305,14 @@ class Engine:
                                       f"{budget.max_depth} (or its tokens are not its nodes); this is a bug")
         return proposals
 
-    def _calibration(self, kind: str) -> adaptive.TreeCalibration:
-        """How the draft's tree scores of `kind` compare with what verification accepts, learned per kind."""
-        if kind not in self._tree_calibration:
-            self._tree_calibration[kind] = adaptive.TreeCalibration()
-        return self._tree_calibration[kind]
+    def _calibration(self, kind: str, part: str) -> adaptive.TreeCalibration:
+        """How the draft's tree scores of `kind` compare with what verification accepts, learned per kind and per
+        part of the tree: "chain" (the first-child path) and "branch" (every other node). Apart because they
+        differ: a sampled tree's chain is the draft's draws, accepted with sum min(p, q) whatever their score,
+        and its branches are tried against what the draw left (the residual)."""
+        if (kind, part) not in self._tree_calibration:
+            self._tree_calibration[kind, part] = adaptive.TreeCalibration()
+        return self._tree_calibration[kind, part]
 
     def _size_trees(self, seqs: list[Sequence], kinds: list[str], proposals: list[Proposal]) -> list[Proposal]:
         """"tree": "auto": each candidate tree (a proposal with node scores) cut to its chain (the first-child path,
@@ -322,15 +332,16 @@ class Engine:
             int(p.tokens.numel()) for i, p in enumerate(proposals) if i not in sized)
         chances, orders, chains, base_tokens = [], [], [], 0.0
         for i in sized:
-            scores = (proposals[i].scores.float().cpu() * self._calibration(kinds[i]).factor).clamp(max=1.0).tolist()
+            raw = proposals[i].scores.float().cpu()
             chain = proposals[i].tree.first_child_path()
             in_chain = set(chain)
+            scores = (raw * self._calibration(kinds[i], "branch").factor).clamp(max=1.0).tolist()
             order = sorted((j for j in range(len(scores)) if j not in in_chain), key=lambda j: (-scores[j], j))
             chances.append([scores[j] for j in order])  # parents first among equals
             orders.append(order)
             chains.append(chain)
             base_rows += len(chain)
-            base_tokens += sum(scores[j] for j in chain)
+            base_tokens += float((raw[chain] * self._calibration(kinds[i], "chain").factor).clamp(max=1.0).sum())
         counts = adaptive.choose_tree_nodes(chances, base_rows, self.batch_costs, base_tokens)
         out = list(proposals)
         for i, order, chain, count in zip(sized, orders, chains, counts):
@@ -363,7 +374,7 @@ class Engine:
         min_chance = 0.0
         if row_worth > 0:
             expected = self._acceptance(seq, kind).expected_tokens(max_depth)
-            min_chance = min(1.0, expected * row_worth / max(self._calibration(kind).factor, 1e-6))
+            min_chance = min(1.0, expected * row_worth / max(self._calibration(kind, "branch").factor, 1e-6))
         return TreeBudget(max_nodes, max_depth, min_chance)
 
     @staticmethod

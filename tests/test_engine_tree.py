@@ -315,3 +315,47 @@ def test_auto_trees_keep_their_chain_and_the_chosen_nodes_and_stay_exact(runner,
         kept = chain + (others[:3] if step % 3 else [])
         assert node_paths(tree, range(tree.num_nodes)) == node_paths(candidate.tree, kept)
         assert [int(tree.tokens[n]) for n in tree.first_child_path()] == [int(candidate.tree.tokens[n]) for n in chain]
+
+
+def test_auto_calibrates_a_trees_chain_and_its_branches_apart(runner, monkeypatch):
+    """"tree": "auto" learns how the draft's scores compare with what is accepted for the chain (first-child path)
+    and for the other nodes apart: here the chain always holds plain greedy's next tokens and the one branch never
+    does, so only the chain's calibration gains accepted tokens, and the branch's falls below its prior."""
+    from quickdraft import adaptive
+
+    class RightChainWrongBranch(Proposer):
+        name = "right_chain"
+        proposes_trees = True
+
+        def __init__(self, truth):
+            super().__init__()
+            self.truth = truth
+
+        def propose(self, seq, k):
+            return Proposal(torch.tensor(self.truth[len(seq.output_ids):][:k], dtype=torch.long))
+
+        def propose_tree_batch(self, seqs, budgets):
+            out = []
+            for seq, budget in zip(seqs, budgets):
+                line = self.truth[len(seq.output_ids):][:budget.max_depth]
+                if not line:
+                    out.append(Proposal.empty(seq.device))
+                    continue
+                parents = [-1] + list(range(len(line) - 1)) + [-1]  # the chain, then one sibling of its first node
+                tokens = torch.tensor(line + [(line[0] + 1) % runner.vocab_size])
+                tree = TokenTree.from_parents(tokens, parents, ChildSelection.DETERMINISTIC)
+                scores = torch.tensor([0.9 ** (d + 1) for d in range(len(line))] + [0.5])
+                out.append(Proposal(tokens, None, tree=tree, scores=scores))
+            return out
+
+    sp = SamplingParams(max_tokens=24, temperature=0)
+    expected = _plain(runner, PROMPTS[0], sp)
+    monkeypatch.setattr(Engine, "_choose_ks", lambda self, seqs, kinds: [4] * len(seqs))
+    engine = Engine(runner, RightChainWrongBranch(expected), 4, tree=TreeSettings(12, 4, auto=True))
+    seq = engine.new_sequence(PROMPTS[0], sp)
+    _run_batch(engine, [seq])
+    assert seq.output_ids == expected
+    parts = {part: calibration for (_, part), calibration in engine._tree_calibration.items()}
+    assert set(parts) == {"chain", "branch"}
+    assert parts["chain"].accepted > adaptive.PRIOR_WEIGHT and parts["chain"].factor > 1.0  # 4 of 4 against 3.1
+    assert parts["branch"].accepted < adaptive.PRIOR_WEIGHT and parts["branch"].factor < 1.0  # never accepted

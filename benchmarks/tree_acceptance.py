@@ -1,7 +1,8 @@
 """Tokens per target forward of a token tree against the chain inside it, at the same contexts (issue 25).
 
     .venv/bin/python benchmarks/tree_acceptance.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b]
-        [--tree 12,4] [--code-prompts 4] [--spec-bench 8] [--max-new-tokens 96] [--temperatures 0,0.8]
+        [--tree 12,4 | --tree auto [--depth 4]] [--code-prompts 4] [--spec-bench 8] [--max-new-tokens 96]
+        [--temperatures 0,0.8]
 
 tree_vs_chain.py times a tree and a chain on separate generations, so at T > 0 their texts, and with them their
 acceptance, differ from run to run by more than a tree's gain. Here every tree step is scored twice on the same
@@ -39,22 +40,12 @@ def expected_accepted(tree, accept_probs: torch.Tensor) -> float:
     return sum(reach)
 
 
-def first_child_path(tree) -> list[int]:
-    """The nodes of the chain inside the tree: from the root, each row's first child (rank 0)."""
-    path, row = [], 0
-    while tree.children(row):
-        node = tree.children(row)[0]
-        path.append(node)
-        row = node + 1
-    return path
-
-
 def score_step(seq, tree, rows: torch.Tensor, q: torch.Tensor | None) -> tuple[float, float]:
     """(tree, chain) accepted tokens of one step: rows [N + 1, V] the processed target rows (logits when greedy,
     else probabilities), q [N, V] the draft rows (None when every child is ranked)."""
     from quickdraft.verify_tree import tree_acceptance, tree_greedy_accept
 
-    chain_nodes = first_child_path(tree)
+    chain_nodes = tree.first_child_path()
     if seq.params.greedy:
         accepted = tree_greedy_accept(tree, rows).num_accepted.item()
         chain = tree_greedy_accept(tree.subtree(chain_nodes), rows[[0] + [n + 1 for n in chain_nodes]])
@@ -71,7 +62,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--tree", default="12,4", help="MAX_NODES,MAX_DEPTH")
+    parser.add_argument("--tree", default="12,4", help="MAX_NODES,MAX_DEPTH, or auto (the engine sizes each step's "
+                        "tree, depth by adaptive K up to --depth: what its branches add to the chain it keeps)")
+    parser.add_argument("--depth", type=int, default=4, help="with --tree auto: the deepest tree (K)")
     parser.add_argument("--code-prompts", type=int, default=4)
     parser.add_argument("--spec-bench", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -85,10 +78,13 @@ def main() -> None:
     from quickdraft.models.loader import quiet_transformers
 
     quiet_transformers()
-    nodes, depth = (int(x) for x in args.tree.split(","))
     method = {"method": args.draft} if args.draft in MODEL_LESS else {"method": "draft_model", "model": args.draft}
-    llm = LLM(args.target, speculative_config={**method, "num_speculative_tokens": depth, "adaptive": False,
-                                               "tree": {"max_nodes": nodes, "max_depth": depth}})
+    if args.tree == "auto":
+        spec = {"num_speculative_tokens": args.depth, "tree": "auto"}  # auto sizes K by adaptive K
+    else:
+        nodes, depth = (int(x) for x in args.tree.split(","))
+        spec = {"num_speculative_tokens": depth, "adaptive": False, "tree": {"max_nodes": nodes, "max_depth": depth}}
+    llm = LLM(args.target, speculative_config={**method, **spec})
     texts, _ = held_out_prompts(args.code_prompts, args.spec_bench)
     prompts = chat_prompt_ids(llm.tokenizer, texts)
 

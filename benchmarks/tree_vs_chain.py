@@ -2,16 +2,17 @@
 
     .venv/bin/python benchmarks/tree_vs_chain.py [--target qwen2.5-coder-1.5b] [--draft qwen2.5-coder-0.5b]
         [--depth 4] [--tree 16,4|auto] [--code-prompts 4] [--spec-bench 4] [--max-new-tokens 128]
-        [--temperatures 0,0.8] [--threads 2] [--adaptive-chain]
+        [--temperatures 0,0.8] [--seeds 1] [--threads 2] [--adaptive-chain]
 
 --draft: a draft model (alias, path), or a method name (eagle, ngram, suffix) for a method without a model.
 Prompts are held out from the other benchmarks: the last HumanEval-style stubs of vs_llamacpp_pair.py and
 Spec-Bench dev records from the 10th of each category on. For each prompt and temperature the chain (K = depth,
 fixed) and the tree run one after the other, in an order that alternates from prompt to prompt; T = 0 is
 greedy (the texts must be equal), T > 0 is unseeded sampling (rejection sampling: the chain's draft draws from
-q, the tree's children are the draft's top tokens, verified by recursive rejection sampling). Reported: median
-decode tok/s (after the first token), tokens per target forward, the tree's mean verified nodes, and the
-tree/chain ratios per prompt (medians).
+q; a tree row's first child is that draw and its siblings q's next most probable tokens, verified by recursive
+rejection sampling), each prompt --seeds times (sampled texts, and with them acceptance, differ from run to run by
+more than a tree's gain). Reported: median decode tok/s (after the first token), tokens per target forward, the
+tree's mean verified nodes, and the tree/chain ratios per run (medians).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--spec-bench", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperatures", default="0,0.8")
+    parser.add_argument("--seeds", type=int, default=1, help="runs of each prompt at T > 0, each pair its own seed")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default=None, help="the target's dtype (default: the loader's)")
     parser.add_argument("--adaptive-chain", action="store_true",
@@ -106,17 +108,19 @@ def main() -> None:
     results = {(t, name): [] for t in temperatures for name in ("chain", "tree")}
     for index, (ids, kind) in enumerate(zip(prompts, kinds)):
         for t in temperatures:
-            order = [("chain", chain), ("tree", tree_llm)]
-            if index % 2:
-                order.reverse()
-            for name, llm in order:
-                r = run(llm, ids, t, seed=1000 + index)
-                r["kind"] = kind
-                results[(t, name)].append(r)
-                print(f"  prompt {index} ({kind}) T={t} {name}: {r['rate']:.1f} tok/s, "
-                      f"{r['per_forward']:.2f} tokens/forward, {r['nodes']:.1f} drafts/step", flush=True)
+            for run_index in range(args.seeds if t > 0 else 1):
+                order = [("chain", chain), ("tree", tree_llm)]
+                if (index + run_index) % 2:
+                    order.reverse()
+                for name, llm in order:
+                    r = run(llm, ids, t, seed=1000 + 100 * index + run_index)
+                    r["kind"] = kind
+                    results[(t, name)].append(r)
+                    print(f"  prompt {index} ({kind}) T={t} run {run_index} {name}: {r['rate']:.1f} tok/s, "
+                          f"{r['per_forward']:.2f} tokens/forward, {r['nodes']:.1f} drafts/step", flush=True)
     print(f"\n{args.target} + {args.draft}: {len(prompts)} held-out prompts ({args.code_prompts} code, "
-          f"{len(prompts) - args.code_prompts} Spec-Bench), {n} new tokens, {args.threads} threads; chain K={args.depth} "
+          f"{len(prompts) - args.code_prompts} Spec-Bench; {args.seeds} run(s) each at T > 0), {n} new tokens, "
+          f"{args.threads} threads; chain K={args.depth} "
           f"vs tree {args.tree} ({'chain with adaptive K' if args.adaptive_chain else 'adaptive K off'})")
     print("| T | method | median tok/s | tokens / target forward | drafts / step | tree/chain tok/s | "
           "tree/chain tokens/forward | greedy text = chain |")

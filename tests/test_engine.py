@@ -351,4 +351,4 @@ def test_relaxed_acceptance_of_a_seeded_model_draft_tests_against_its_q(method, 
     llm.generate({"prompt_token_ids": [1, 5, 9, 3]}, SamplingParams(temperature=0.8, max_tokens=12, seed=4))
     assert seen and all(q is not None for q in seen)
     for q in seen:  # [1, k, V]: distributions, not one-hot rows
-        assert torch.allclose(q.sum(-1), torch.ones(q.shape[:-1]), atol=1e-4) and (q < 1 - 1e-6).all()
+        assert torch.allclose(q.sum(-1), torch.ones_like(q.sum(-1)), atol=1e-4) and (q < 1 - 1e-6).all()

@@ -4,6 +4,8 @@ values; acceptance does, so none is measured here: tokens a step come from the r
 
 1. A forward by its number of new rows (1: a decoding step; K + 1: a chain's verification; a tree's nodes + 1),
    after `--context` cached positions, target and draft, medians over rounds (a device sync before every timing).
+   On a GPU also the same forwards captured once as CUDA graphs and replayed: the kernels' own time, what the
+   eager loop's launches hide.
 2. The engine's steps end to end, greedy, 128 tokens after a 256-token prompt: plain decoding, a chain of K drafts
    from the draft model, a token tree of N nodes; the wall time of a step and how it splits between the draft's
    forwards and the target's (part 1's figures) and the rest (the host: Python, sampling, verification, cache
@@ -78,6 +80,51 @@ def forward_by_rows(model, rows: list[int], context: int, rounds: int, device: t
     return {n: statistics.median(t) for n, t in times.items()}
 
 
+def graph_replay_by_rows(model, rows: list[int], context: int, rounds: int, device: torch.device) -> dict:
+    """Median ms of the same forwards captured once as a CUDA graph and replayed: the GPU's own time for the layer
+    loop's kernels with no launches from Python, i.e. what capturing the engine's forwards would leave. Each row
+    count's graph rewrites the same positions (context..context + n) at every replay, which is all a timing needs.
+    {n: ms}, or {n: "the error"} where capture failed."""
+    from quickdraft.models.native import NativeRunner
+
+    runner = NativeRunner(model)
+    cache = runner.new_cache()
+    vocab = runner.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    results: dict = {}
+    with torch.inference_mode():
+        runner.forward(cache, torch.randint(0, vocab, (context,), generator=generator).to(device), 1)
+        cache.reserve(context + max(rows))  # no growth (a new tensor) inside a capture
+        for n in rows:
+            ids = torch.randint(0, vocab, (n,), generator=generator).to(device)
+            try:
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):  # warm-up off the default stream, as torch's docs ask
+                    for _ in range(2):
+                        runner.forward(cache, ids, n)
+                        cache.rollback(context)
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    runner.forward(cache, ids, n)
+                cache.rollback(context)
+                times = []
+                for round_index in range(rounds + 2):
+                    sync(device)
+                    start = time.perf_counter()
+                    graph.replay()
+                    sync(device)
+                    if round_index >= 2:
+                        times.append((time.perf_counter() - start) * 1e3)
+                results[n] = statistics.median(times)
+                del graph
+            except Exception as exc:  # a capture that fails is a finding, not the end of the run
+                results[n] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                cache.rollback(context)
+    return results
+
+
 def engine_steps(target, draft, configs: dict[str, dict], device: torch.device, tokens: int, repeats: int):
     from quickdraft import LLM, SamplingParams
 
@@ -135,6 +182,11 @@ def main() -> None:
         print(f"\n{name} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, {args.dtype}), "
               f"forward after {args.context} cached, ms (x {rows[0]} row):")
         print("  " + "  ".join(f"{n}: {t:.2f} ({t / one:.2f}x)" for n, t in by_rows.items()))
+        if device.type == "cuda":
+            replayed = graph_replay_by_rows(model, [1, 5, 13, 64], args.context, args.rounds, device)
+            report[f"graph_replay_ms {name}"] = replayed
+            print("  the same forwards captured as CUDA graphs and replayed, ms: " + "  ".join(
+                f"{n}: {t:.3f}" if isinstance(t, float) else f"{n}: {t}" for n, t in replayed.items()))
     configs = {
         "none": {"method": "none"},
         "chain K=4": {"method": "draft_model", "num_speculative_tokens": 4, "adaptive": False},

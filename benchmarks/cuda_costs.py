@@ -131,8 +131,17 @@ def engine_steps(target, draft, configs: dict[str, dict], device: torch.device, 
     prompt = torch.randint(0, target.config.vocab_size, (256,), generator=torch.Generator().manual_seed(1)).tolist()
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     results = {}
-    llms = {name: LLM(target, device=device, speculative_config={**config, **(
-        {"model": draft} if config.get("method") == "draft_model" else {})}) for name, config in configs.items()}
+    llms = {}
+    for name, config in configs.items():
+        config = dict(config)
+        graphs = config.pop("cuda_graphs", False)
+        if config.get("method") == "draft_model":
+            config["model"] = draft
+        llm = llms[name] = LLM(target, device=device, speculative_config=config)
+        if graphs:  # every one-sequence forward of the target and the draft captured once and replayed
+            llm.target.use_cuda_graphs(True)
+            if config.get("method") == "draft_model":
+                llm.proposer.runner.use_cuda_graphs(True)
     runs: dict[str, list] = {name: [] for name in configs}
     for _ in range(repeats + 1):  # the first pass warms every configuration up
         for name, llm in llms.items():
@@ -195,6 +204,9 @@ def main() -> None:
         "tree 12 nodes, depth 4": {"method": "draft_model", "num_speculative_tokens": 4, "adaptive": False,
                                    "tree": {"max_nodes": 12, "max_depth": 4}},
     }
+    if device.type == "cuda":
+        configs["none, CUDA graphs"] = {"method": "none", "cuda_graphs": True}
+        configs["chain K=4, CUDA graphs"] = {**configs["chain K=4"], "cuda_graphs": True}
     steps = engine_steps(models[args.target], models[args.draft], configs, device, args.tokens, args.repeats)
     report["engine"] = steps
     # The engine's own timers see a GPU's work where the host first waits for it (verification reads the tokens),
@@ -204,6 +216,8 @@ def main() -> None:
     target_ms, draft_ms = report[f"forward_ms {args.target}"], report[f"forward_ms {args.draft}"]
 
     def forwards_ms(config: dict) -> float | None:
+        if config.get("cuda_graphs"):
+            return None  # part 1 times eager forwards
         if config["method"] == "none":
             return target_ms.get(1)
         k = config["num_speculative_tokens"]

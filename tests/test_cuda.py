@@ -2,7 +2,7 @@
 run on the GPU (torch's ops: cuBLAS matmuls, the Python layer loop, tree attention by masks). Greedy speculation
 gives plain decoding's tokens for every draft method, chains and trees, alone and batched; sampled speculation
 follows the target's exact law; a request's seed gives the same text with speculation on or off; a GGUF file's
-blocks load onto the GPU.
+blocks load onto the GPU; with CUDA graphs (QUICKDRAFT_CUDA_GRAPHS=1) the tokens are the eager loop's.
 
 Skipped where torch sees no GPU (CI never has one): `benchmarks/gpu_check.sh` runs it on a lent one.
 QUICKDRAFT_TEST_DEVICE=cpu runs the same tests on the CPU, to check the tests themselves."""
@@ -216,3 +216,37 @@ def _write_gguf(gguf, model, path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+@pytest.mark.parametrize("method", ["none", "draft_model", "ngram"])
+def test_cuda_graphs_decode_as_the_eager_loop(method, dtype, monkeypatch):
+    """QUICKDRAFT_CUDA_GRAPHS=1: one sequence's forwards (decoding steps, verifications, the draft's steps) are
+    captured and replayed; greedy and seeded tokens equal the eager loop's, one sequence at a time and batched."""
+    target = tiny_llama(seed=0).to(dtype)
+    config = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    if method == "draft_model":
+        config["model"] = tiny_llama(seed=0 if dtype == torch.bfloat16 else 1).to(dtype)
+    eager = LLM(target, device=DEVICE, speculative_config=config)
+    monkeypatch.setenv("QUICKDRAFT_CUDA_GRAPHS", "1")
+    graphed = LLM(target, device=DEVICE, speculative_config=config)
+    on_cuda = graphed.device.type == "cuda"
+    assert graphed.target.cuda_graphs == on_cuda
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    for params in ([SamplingParams(temperature=0, max_tokens=32)] * 3,
+                   [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=s) for s in range(3)]):
+        want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+        for batch in (1, 3):
+            graphed.max_num_seqs = batch
+            assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params)] == want, (params[0], batch)
+    if on_cuda:
+        assert graphed.target._graphs  # steps were replayed graphs
+        if method == "draft_model":
+            assert graphed.proposer.runner._graphs
+
+
+def test_cuda_graphs_keep_the_sampled_law(monkeypatch):
+    """The first law test above with every one-sequence forward a replayed CUDA graph."""
+    monkeypatch.setenv("QUICKDRAFT_CUDA_GRAPHS", "1")
+    test_sampled_first_three_tokens_follow_the_target_law(
+        dict(temperature=1.0), {"method": "draft_model", "num_speculative_tokens": 3})

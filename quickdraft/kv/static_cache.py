@@ -72,12 +72,15 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
     def _resize(self, capacity: int) -> None:
         r = self._runner
         shape = (r.num_layers, r.num_kv_heads, capacity, r.head_dim)
-        values = torch.empty(shape, dtype=r.dtype, device=r.device)
+        # The position-independent forwards (CUDA graphs) attend over every slot, masked: the slots not yet
+        # written must hold finite numbers (0 x NaN is NaN), so their caches start zeroed.
+        allocate = torch.zeros if getattr(r, "cuda_graphs", False) else torch.empty
+        values = allocate(shape, dtype=r.dtype, device=r.device)
         if r.packed_keys:  # each head's keys packed like a weight (see kernels/cpu_attention.cpp)
             keys = torch.empty((r.num_layers, r.num_kv_heads, capacity // 16, r.head_dim // 2, 16, 2),
                                dtype=r.key_dtype, device=r.device)
         else:
-            keys = torch.empty(shape, dtype=r.dtype, device=r.device)
+            keys = allocate(shape, dtype=r.dtype, device=r.device)
         if self.keys is not None:
             used = len(self)
             filled = -(-used // 16) if r.packed_keys else used  # blocks of 16 positions, or positions

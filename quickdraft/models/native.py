@@ -22,6 +22,8 @@ describes are refused by supports(), and those models run on the transformers fo
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,6 +46,8 @@ from quickdraft.models.tree_mask import tree_positions, tree_visibility
 # (Linear and QUANTIZATION_SCHEMES, defined here before models/linear.py and models/base.py, import from here still.)
 
 SUPPORTED = set(FAMILIES)
+GRAPHS_KEPT = 8  # CUDA graphs a runner keeps (each holds its activations' memory): the last caches' row counts
+GRAPH_MAX_ROWS = 64  # forwards of more rows (prefills) are eager: launches are a small part of them
 
 
 def supports(model: nn.Module) -> str | None:
@@ -136,6 +140,17 @@ def _rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: to
     return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * weight).to(dtype)
 
 
+def _position_mask(positions: torch.Tensor, capacity: int, window: int | None) -> torch.Tensor:
+    """Additive mask [n, capacity] of queries at `positions` (a device tensor) over every key slot: 0 where a
+    query may see the key (causal, within the sliding window), -inf elsewhere (slots past the sequence too)."""
+    k_pos = torch.arange(capacity, device=positions.device)[None, :]
+    q_pos = positions[:, None]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return torch.zeros(allowed.shape, device=positions.device).masked_fill_(~allowed, float("-inf"))
+
+
 class NativeRunner:
     """A Llama-family or Gemma 3 decoder with a static KV cache; a Runner (models/base.py), as HFRunner is."""
 
@@ -180,6 +195,10 @@ class NativeRunner:
         self._no_tensor = torch.empty(0)
         self.packed_keys = self._cpu_kernels is not None  # the layout the kernels' attention reads
         self._decoder = None  # the C++ layer loop, built on first use (see _native_decoder)
+        # CUDA graphs of one sequence's forwards (see _graph_forward): opt-in with QUICKDRAFT_CUDA_GRAPHS=1 or
+        # `use_cuda_graphs`; the graphs of the caches seen last, by (cache storage, rows, logits).
+        self.cuda_graphs = self.device.type == "cuda" and os.environ.get("QUICKDRAFT_CUDA_GRAPHS", "") == "1"
+        self._graphs: OrderedDict = OrderedDict()
         # The fused kernel knows SiLU (False) and tanh-approximated GELU (True); other activations use torch.
         self._fused_activation = None if self._cpu_kernels is None else \
             {"silu": False, "swish": False, "gelu_pytorch_tanh": True}.get(activation)
@@ -307,6 +326,7 @@ class NativeRunner:
         view = object.__new__(NativeRunner)
         view.__dict__.update(self.__dict__)
         view.name, view.forwards, view._decoder = name, 0, None
+        view._graphs = OrderedDict()  # a graph captures its runner's layers: a view captures its own
         return view
 
     def _native_decoder(self):
@@ -444,13 +464,17 @@ class NativeRunner:
         return attn.view(h_kv, group, n, d).permute(2, 0, 1, 3).reshape(n, h_q * d)
 
     def _layers(self, x: torch.Tensor, caches: list[StaticSequenceCache], starts: list[int],
-                counts: list[int], trees: list[TreeAttention | None] | None = None) -> torch.Tensor:
+                counts: list[int], trees: list[TreeAttention | None] | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder layers in Python: the kernels one by one where they apply, torch ops elsewhere.
         x: [num_tokens, hidden], the counts[i] rows of sequence i (at slots starts[i]..) after those of the
         sequences before it. Linear layers, norms and the activation take all rows at once; the cache write and
         attention run per sequence, on its own cache. trees: per sequence None (causal rows at positions equal
         to their slots) or the TreeAttention its rows form (end starts[i] + counts[i], checked by the caller):
-        each row is roped at the tree's position for its slot and attends as the tree says."""
+        each row is roped at the tree's position for its slot and attends as the tree says.
+        positions: one sequence's slots as a device tensor [n] (torch ops only): every shape is then independent of
+        where the rows sit (rope rows gathered, the cache written by index, attention over the whole capacity with
+        a mask built on the device), so the same kernels serve every position: what a CUDA graph needs."""
         n = x.shape[0]
         h_q, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         ends = [start + count for start, count in zip(starts, counts)]
@@ -471,7 +495,9 @@ class NativeRunner:
         for index, layer in enumerate(self.layers):
             if layer.rope not in ropes:
                 cos, sin = self._rope(layer.rope, max(ends))
-                if fast is None:  # the rows of every token's position: [num_tokens, head_dim]
+                if positions is not None:  # gathered on the device: [n, head_dim]
+                    cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
+                elif fast is None:  # the rows of every token's position: [num_tokens, head_dim]
                     cos = torch.cat([cos[rows] for rows in rope_rows]) if len(caches) > 1 else cos[rope_rows[0]]
                     sin = torch.cat([sin[rows] for rows in rope_rows]) if len(caches) > 1 else sin[rope_rows[0]]
                 ropes[layer.rope] = (cos, sin)  # the kernels take whole tables, indexed by position
@@ -494,15 +520,28 @@ class NativeRunner:
                     qk = norm(qk.contiguous(), layer.qk_norm, gemma_style=True)
                 # rotate_half(x) * sin == roll(x, d/2) * sin_signed (sin with its first half negated): exact.
                 qk = qk * cos_rows[:, None] + qk.roll(d // 2, -1) * sin_rows[:, None]
-                parts = []
-                for i, (start, end) in enumerate(zip(starts, ends)):
+                if positions is not None:
+                    keys, values = keys_list[0][index], values_list[0][index]  # [Hkv, capacity, d]
+                    keys.index_copy_(1, positions, qk[:, h_q:].transpose(0, 1).to(keys.dtype))
+                    values.index_copy_(1, positions, qkv[:, (h_q + h_kv) * d:].view(n, h_kv, d).transpose(0, 1))
+                    mask = masks[0].get(layer.sliding_window)
+                    if mask is None:
+                        mask = masks[0][layer.sliding_window] = _position_mask(positions, keys.shape[1],
+                                                                               layer.sliding_window)
+                    attn = self._attention(qk[:, :h_q], keys, values, 0, layer.sliding_window,
+                                           {layer.sliding_window: mask})
+                    parts = None
+                else:
+                    parts = []
+                for i, (start, end) in enumerate(zip(starts, ends) if parts is not None else ()):
                     lo, hi = bounds[i], bounds[i + 1]
                     keys, values = keys_list[i][index], values_list[i][index]
                     keys[:, start:end] = qk[lo:hi, h_q:].transpose(0, 1)
                     values[:, start:end] = qkv[lo:hi, (h_q + h_kv) * d:].view(hi - lo, h_kv, d).transpose(0, 1)
                     parts.append(self._attention(qk[lo:hi, :h_q], keys[:, :end], values[:, :end], start,
                                                  layer.sliding_window, masks[i], trees[i]))
-                attn = parts[0] if len(parts) == 1 else torch.cat(parts)  # [num_tokens, Hq * head_dim]
+                if parts is not None:
+                    attn = parts[0] if len(parts) == 1 else torch.cat(parts)  # [num_tokens, Hq * head_dim]
             attn = layer.o(attn if layer.o.reads_float32 else attn.to(self.dtype), float_output=wide)
             if layer.post_attn_norm is not None:
                 attn = norm(attn, layer.post_attn_norm, float_output=wide)
@@ -525,6 +564,77 @@ class NativeRunner:
         `num_logits` inputs, [num_logits, V]: forward_batch of one sequence. use_decoder=False runs the layer
         loop in Python even where the C++ loop could (the same kernels, so the same bits; for tests)."""
         return self.forward_batch([cache], [tokens], [num_logits], use_decoder=use_decoder)
+
+    def _static_forward(self, cache: StaticSequenceCache, ids: torch.Tensor, positions: torch.Tensor,
+                        num_logits: int) -> torch.Tensor:
+        """One sequence's rows ids [n] at slots `positions` [n] (device tensors), cache reserved: float32 logits
+        [num_logits, V]. No shape depends on the positions: the kernels are the same at every step."""
+        n = ids.shape[0]
+        x = self._embedding(ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        # starts: only the rope tables' length reads it here (they must cover every slot of the capacity).
+        x = self._layers(x, [cache], [cache.capacity - n], [n], None, positions=positions)
+        if num_logits == 0:
+            return torch.zeros((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        head_float = self._float_residual and self.lm_head.reads_float32
+        return self.output_logits(self._norm(x[n - num_logits:].contiguous(), self.final_norm,
+                                             float_output=head_float))
+
+    def _positional_forward(self, cache: StaticSequenceCache, ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        """forward of one sequence on the position-independent path (`cuda_graphs`). On CUDA each (cache storage,
+        rows, logits) is captured once as a CUDA graph and replayed: a step is one launch instead of ~35 a layer
+        (RESULTS.md, session 32: an eager forward of a 1.5B is launch-bound, 11-19 ms whatever its rows; its graph
+        replays in ~3 ms). Elsewhere the same path runs eagerly (what the tests check on the CPU). A cache that
+        grows gets a new storage and so new graphs; the graphs of the last GRAPHS_KEPT keys are kept."""
+        n, start = ids.shape[0], len(cache)
+        cache.reserve(start + n)
+        if self.device.type != "cuda":
+            logits = self._static_forward(cache, ids.to(self.device),
+                                          torch.arange(start, start + n, device=self.device), num_logits)
+        else:
+            # A graph reads and writes fixed addresses: it serves whichever cache has these tensors now.
+            key = (cache.keys.data_ptr(), cache.values.data_ptr(), cache.capacity, n, num_logits)
+            entry = self._graphs.get(key)
+            if entry is None:
+                entry = self._graphs[key] = self._capture(cache, start, n, num_logits)
+                while len(self._graphs) > GRAPHS_KEPT:
+                    self._graphs.popitem(last=False)
+            self._graphs.move_to_end(key)
+            graph, static_ids, static_positions, static_logits, _ = entry
+            static_ids.copy_(ids)
+            static_positions.copy_(torch.arange(start, start + n))
+            graph.replay()
+            logits = static_logits.clone()  # the next replay overwrites the graph's output
+        cache.record(ids)
+        self.forwards += 1
+        return logits
+
+    def _capture(self, cache: StaticSequenceCache, start: int, n: int, num_logits: int):
+        """A CUDA graph of _static_forward on `cache` for n rows: (graph, its ids, its positions, its logits, the
+        rope tables it reads). Warmed up twice on a side stream first, as torch asks (the warm-ups write slots
+        start.. of this cache, which the step's own replay then overwrites; the rope tables are built then, not
+        inside the capture, and the entry keeps them alive: a longer cache later replaces them in _rope_tables)."""
+        static_ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        static_positions = torch.arange(start, start + n, device=self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._static_forward(cache, static_ids, static_positions, num_logits)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_logits = self._static_forward(cache, static_ids, static_positions, num_logits)
+        return graph, static_ids, static_positions, static_logits, list(self._rope_tables.values())
+
+    def use_cuda_graphs(self, enabled: bool = True) -> None:
+        """Turn the position-independent path (CUDA graphs on CUDA) on or off for this runner's forwards."""
+        if enabled and self.packed_keys:
+            raise QuickdraftError(f"{self.name}: CUDA graphs are for torch's layer loop; this runner uses the CPU "
+                                  "kernels")
+        self.cuda_graphs = enabled
+        self._graphs.clear()
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of token ids [n] as the first layer reads them (Gemma's scale applied),
@@ -571,6 +681,9 @@ class NativeRunner:
         keys are bitwise those of its path's tokens fed in a line."""
         flat = check_batch(self, caches, tokens, num_logits)  # before any cache changes
         trees = check_trees(self, caches, flat, trees)
+        if (self.cuda_graphs and len(caches) == 1 and flat[0].shape[0] <= GRAPH_MAX_ROWS and inputs_embeds is None
+                and not return_hidden and not self.packed_keys and (trees is None or trees[0] is None)):
+            return self._positional_forward(caches[0], flat[0], int(num_logits[0]))
         if inputs_embeds is not None and [int(e.shape[0]) for e in inputs_embeds] != [int(t.shape[0]) for t in flat]:
             raise QuickdraftError(f"{self.name}: inputs_embeds must give one row per token of each sequence")
         counts = [ids.shape[0] for ids in flat]

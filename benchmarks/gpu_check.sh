@@ -18,10 +18,11 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
 
 # Tests (4 minutes at most): tests/test_cuda.py puts every tiny model on the GPU (greedy and seeded equality with
 # plain decoding for each draft method, chains and trees, alone and batched; the sampled law by chi-square; a GGUF
-# file's blocks); the engine tests whose LLM takes device "auto" run there too. QUICKDRAFT_NO_KERNELS skips building
+# file's blocks; CUDA graphs against the eager loop); the engine tests whose LLM takes device "auto" run there too. QUICKDRAFT_NO_KERNELS skips building
 # the CPU kernels (minutes of compiling for tests that do not need them on this machine).
 QUICKDRAFT_NO_KERNELS=1 timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider --durations=5 tests/test_cuda.py \
-  tests/test_engine.py tests/models/test_batch_forward.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+  tests/models/test_cuda_graphs.py tests/test_engine.py tests/models/test_batch_forward.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
 
-# What a speculative step costs on the GPU: the Qwen pair's shapes with random weights (3 minutes at most).
+# What a speculative step costs on the GPU, eager and with CUDA graphs: the Qwen pair's shapes with random weights
+# (3 minutes at most).
 timeout 180 "$PYTHON" benchmarks/cuda_costs.py --out "$OUT/cuda-costs.json" 2>&1 | tee "$OUT/cuda-costs.log" | tail -30

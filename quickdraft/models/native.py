@@ -13,7 +13,9 @@ number of queries. On CPUs with AVX512-BF16, a forward here is one call into qui
 (kernels/cpu_decoder.cpp) over kernels that compute every token's row the same way whatever the number of
 tokens: a token's logits are bitwise the same whether it is verified alone or among K+1 tokens, and greedy
 speculative output equals plain greedy output (tests/models/test_native.py checks this). Elsewhere (other CPUs,
-CUDA, float32) the same loop runs in Python on torch ops, attention as two matmuls with a float32 softmax.
+CUDA, float32) the same loop runs in Python on torch ops, attention as two matmuls with a float32 softmax; on
+CUDA its one-sequence forwards can be captured as CUDA graphs and replayed (use_cuda_graphs), since eagerly a
+forward there is launch-bound.
 
 What differs between the families is one row of settings each in models/families.py; config features no row
 describes are refused by supports(), and those models run on the transformers forward

@@ -522,27 +522,23 @@ class NativeRunner:
                     qk = norm(qk.contiguous(), layer.qk_norm, gemma_style=True)
                 # rotate_half(x) * sin == roll(x, d/2) * sin_signed (sin with its first half negated): exact.
                 qk = qk * cos_rows[:, None] + qk.roll(d // 2, -1) * sin_rows[:, None]
-                if positions is not None:
+                if positions is not None:  # one sequence, every shape independent of its slots
                     keys, values = keys_list[0][index], values_list[0][index]  # [Hkv, capacity, d]
                     keys.index_copy_(1, positions, qk[:, h_q:].transpose(0, 1).to(keys.dtype))
                     values.index_copy_(1, positions, qkv[:, (h_q + h_kv) * d:].view(n, h_kv, d).transpose(0, 1))
-                    mask = masks[0].get(layer.sliding_window)
-                    if mask is None:
-                        mask = masks[0][layer.sliding_window] = _position_mask(positions, keys.shape[1],
-                                                                               layer.sliding_window)
-                    attn = self._attention(qk[:, :h_q], keys, values, 0, layer.sliding_window,
-                                           {layer.sliding_window: mask})
-                    parts = None
+                    if layer.sliding_window not in masks[0]:
+                        masks[0][layer.sliding_window] = _position_mask(positions, keys.shape[1],
+                                                                        layer.sliding_window)
+                    attn = self._attention(qk[:, :h_q], keys, values, 0, layer.sliding_window, masks[0])
                 else:
                     parts = []
-                for i, (start, end) in enumerate(zip(starts, ends) if parts is not None else ()):
-                    lo, hi = bounds[i], bounds[i + 1]
-                    keys, values = keys_list[i][index], values_list[i][index]
-                    keys[:, start:end] = qk[lo:hi, h_q:].transpose(0, 1)
-                    values[:, start:end] = qkv[lo:hi, (h_q + h_kv) * d:].view(hi - lo, h_kv, d).transpose(0, 1)
-                    parts.append(self._attention(qk[lo:hi, :h_q], keys[:, :end], values[:, :end], start,
-                                                 layer.sliding_window, masks[i], trees[i]))
-                if parts is not None:
+                    for i, (start, end) in enumerate(zip(starts, ends)):
+                        lo, hi = bounds[i], bounds[i + 1]
+                        keys, values = keys_list[i][index], values_list[i][index]
+                        keys[:, start:end] = qk[lo:hi, h_q:].transpose(0, 1)
+                        values[:, start:end] = qkv[lo:hi, (h_q + h_kv) * d:].view(hi - lo, h_kv, d).transpose(0, 1)
+                        parts.append(self._attention(qk[lo:hi, :h_q], keys[:, :end], values[:, :end], start,
+                                                     layer.sliding_window, masks[i], trees[i]))
                     attn = parts[0] if len(parts) == 1 else torch.cat(parts)  # [num_tokens, Hq * head_dim]
             attn = layer.o(attn if layer.o.reads_float32 else attn.to(self.dtype), float_output=wide)
             if layer.post_attn_norm is not None:

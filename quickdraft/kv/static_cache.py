@@ -34,6 +34,8 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.pool: KVPool | None = None  # granting this cache's growth; None: no budget
+        # Whether every slot past the sequence holds a finite number (allocated zeroed, or zero_free_slots since).
+        self.free_slots_finite = True
         # The prefix digests of its first full blocks (PrefixCache's bookkeeping; cut on rollback).
         self.block_digests: list[bytes] = []
 
@@ -75,6 +77,7 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
         # The position-independent forwards (CUDA graphs) attend over every slot, masked: the slots not yet
         # written must hold finite numbers (0 x NaN is NaN), so their caches start zeroed.
         allocate = torch.zeros if getattr(r, "cuda_graphs", False) else torch.empty
+        self.free_slots_finite = allocate is torch.zeros
         values = allocate(shape, dtype=r.dtype, device=r.device)
         if r.packed_keys:  # each head's keys packed like a weight (see kernels/cpu_attention.cpp)
             keys = torch.empty((r.num_layers, r.num_kv_heads, capacity // 16, r.head_dim // 2, 16, 2),
@@ -87,6 +90,16 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
             keys[:, :, :filled] = self.keys[:, :, :filled]
             values[:, :, :used] = self.values[:, :, :used]
         self.keys, self.values = keys, values
+
+    def zero_free_slots(self) -> None:
+        """Zero the slots past the sequence (unpacked keys and values): the position-independent forward attends
+        over every slot under a mask, and 0 x NaN from uninitialised memory would be NaN."""
+        if self.values is None or self._runner.packed_keys:
+            return
+        used = len(self)
+        self.keys[:, :, used:].zero_()
+        self.values[:, :, used:].zero_()
+        self.free_slots_finite = True
 
     def rollback(self, length: int) -> None:
         super().rollback(length)

@@ -197,8 +197,8 @@ class NativeRunner:
         self._no_tensor = torch.empty(0)
         self.packed_keys = self._cpu_kernels is not None  # the layout the kernels' attention reads
         self._decoder = None  # the C++ layer loop, built on first use (see _native_decoder)
-        # CUDA graphs of one sequence's forwards (see _graph_forward): opt-in with QUICKDRAFT_CUDA_GRAPHS=1 or
-        # `use_cuda_graphs`; the graphs of the caches seen last, by (cache storage, rows, logits).
+        # CUDA graphs of one sequence's forwards (see _positional_forward): opt-in with QUICKDRAFT_CUDA_GRAPHS=1 or
+        # `use_cuda_graphs`; the graphs of the caches seen last, by (cache tensors, rows, logits).
         self.cuda_graphs = self.device.type == "cuda" and os.environ.get("QUICKDRAFT_CUDA_GRAPHS", "") == "1"
         self._graphs: OrderedDict = OrderedDict()
         # The fused kernel knows SiLU (False) and tanh-approximated GELU (True); other activations use torch.
@@ -587,6 +587,8 @@ class NativeRunner:
         grows gets a new storage and so new graphs; the graphs of the last GRAPHS_KEPT keys are kept."""
         n, start = ids.shape[0], len(cache)
         cache.reserve(start + n)
+        if not cache.free_slots_finite:  # attended under the mask: a cache made before the path was on
+            cache.zero_free_slots()
         if self.device.type != "cuda":
             logits = self._static_forward(cache, ids.to(self.device),
                                           torch.arange(start, start + n, device=self.device), num_logits)

@@ -40,6 +40,22 @@ def test_position_independent_forward_equals_the_usual_one(build):
     assert torch.equal(fresh.values, torch.zeros_like(fresh.values))
 
 
+@torch.inference_mode()
+def test_a_cache_made_before_the_path_was_on_gets_its_free_slots_zeroed():
+    runner = NativeRunner(tiny_llama(seed=0))
+    cache, reference = runner.new_cache(), runner.new_cache()
+    for c in (cache, reference):
+        runner.forward(c, torch.arange(10), 1)
+    assert not cache.free_slots_finite  # made with the path off: torch.empty
+    cache.keys[:, :, 10:] = float("nan")  # as uninitialised memory may read
+    cache.values[:, :, 10:] = float("nan")
+    expected = runner.forward(reference, torch.tensor([3, 4]), 2)
+    runner.use_cuda_graphs(True)
+    got = runner.forward(cache, torch.tensor([3, 4]), 2)
+    assert cache.free_slots_finite and not cache.keys.isnan().any() and not cache.values.isnan().any()
+    torch.testing.assert_close(got, expected, atol=1e-4 * max(1.0, expected.abs().max().item()), rtol=1e-4)
+
+
 def test_forwards_of_many_rows_take_the_usual_path(monkeypatch):
     runner = NativeRunner(tiny_llama(seed=0))
     runner.use_cuda_graphs(True)

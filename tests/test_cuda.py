@@ -9,18 +9,15 @@ QUICKDRAFT_TEST_DEVICE=cpu runs the same tests on the CPU, to check the tests th
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from conftest import tiny_gemma3, tiny_llama
 from quickdraft import LLM, SamplingParams
-from quickdraft.sampling import PenaltyHistory, process
+from test_engine import _chi_square_pvalue, _exact_three_token_law, _reference_greedy
 
 DEVICE = os.environ.get("QUICKDRAFT_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(), reason="needs CUDA")
@@ -44,14 +41,6 @@ def _methods(draft):
         "draft_model-auto-tree": {"method": "draft_model", "model": draft, "num_speculative_tokens": 4,
                                   "tree": "auto"},
     }
-
-
-def _reference_greedy(model, prompt, n):
-    """transformers' own greedy decoding of the model, on the CPU in float32."""
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
@@ -90,40 +79,6 @@ def test_bfloat16_greedy_and_seeded_speculation_equal_plain(method):
             assert sum(o.metrics.accepted_tokens for o in out) > 0
 
 
-def _exact_three_token_law(model, prompt, params):
-    """P(y1, y2, y3) under plain sampling, by enumeration over the (tiny) vocabulary, on the CPU in float64."""
-    vocab = model.config.vocab_size
-    with torch.inference_mode():
-        def probs(prefix):
-            logits = model(input_ids=torch.tensor([prompt + list(prefix)])).logits[0, -1:].double()
-            history = PenaltyHistory(prompt, vocab, torch.device("cpu"))
-            history.append(list(prefix))
-            seen, counts = history.rows(torch.empty(0, dtype=torch.long), 1)
-            return process(logits, params, seen, counts)[0]
-        p1 = probs(())
-        p2 = {(a,): probs((a,)) for a in range(vocab)}
-        p3 = {(a, b): probs((a, b)) for a in range(vocab) for b in range(vocab)}
-    return {(a, b, c): (p1[a] * p2[(a,)][b] * p3[(a, b)][c]).item()
-            for a, b, c in itertools.product(range(vocab), repeat=3)}
-
-
-def _chi_square_pvalue(samples: Counter, law: dict, n: int) -> float:
-    """Goodness of fit, cells with expected count < 5 pooled into one (the usual validity rule)."""
-    observed, expected, pooled_obs, pooled_exp = [], [], 0, 0.0
-    for cell, prob in law.items():
-        if prob * n >= 5:
-            observed.append(samples.get(cell, 0))
-            expected.append(prob * n)
-        else:
-            pooled_obs += samples.get(cell, 0)
-            pooled_exp += prob * n
-    if pooled_exp > 0:
-        observed.append(pooled_obs)
-        expected.append(pooled_exp)
-    scale = sum(observed) / sum(expected)
-    return stats.chisquare(observed, [e * scale for e in expected]).pvalue
-
-
 @pytest.mark.parametrize("params, config", [
     (dict(temperature=1.0), {"method": "draft_model", "num_speculative_tokens": 3}),
     (dict(temperature=0.8, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5),
@@ -156,6 +111,7 @@ def test_a_gguf_file_loads_onto_the_device(tmp_path):
     """A GGUF file's Q8_0 blocks on the device: its logits are the dequantized model's (transformers' reader on the
     CPU, float32), and greedy speculation on it gives plain decoding's tokens."""
     gguf = pytest.importorskip("gguf")
+    from models.test_gguf_loader import _write_gguf
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from quickdraft.models import loader
@@ -166,7 +122,7 @@ def test_a_gguf_file_loads_onto_the_device(tmp_path):
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     path = tmp_path / "tiny-llama.gguf"
-    _write_gguf(gguf, model, path)
+    _write_gguf(model, path, "llama", gguf.GGMLQuantizationType.Q8_0)
     reference, _ = loader.load(loader.resolve(str(path)), torch.float32, torch.device("cpu"))
     llm = LLM(str(path), dtype="float32", device=DEVICE, tokenizer=None,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
@@ -182,40 +138,6 @@ def test_a_gguf_file_loads_onto_the_device(tmp_path):
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     assert ([o.outputs[0].token_ids for o in llm.generate(prompts, params)]
             == [o.outputs[0].token_ids for o in plain.generate(prompts, params)])
-
-
-def _write_gguf(gguf, model, path) -> None:
-    """A tiny Llama as a GGUF file: 2-D weights in Q8_0, norms float32, q/k rows in llama.cpp's order."""
-    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
-
-    c = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_vocab_size(c.vocab_size)
-    names = {hf: g for g, hf in get_gguf_hf_weights_map(model, TensorProcessor()).items()}
-    for hf_name, tensor in model.state_dict().items():
-        if hf_name not in names or hf_name == "lm_head.weight":
-            continue
-        name, w = names[hf_name], tensor.detach().float().numpy()
-        if ".attn_q." in name or ".attn_k." in name:
-            heads = c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads
-            w = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-        if w.ndim == 2:
-            writer.add_tensor(name, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])

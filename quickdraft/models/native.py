@@ -681,8 +681,9 @@ class NativeRunner:
         keys are bitwise those of its path's tokens fed in a line."""
         flat = check_batch(self, caches, tokens, num_logits)  # before any cache changes
         trees = check_trees(self, caches, flat, trees)
+        # (cuda_graphs is never on beside the CPU kernels' packed keys: use_cuda_graphs refuses them.)
         if (self.cuda_graphs and len(caches) == 1 and flat[0].shape[0] <= GRAPH_MAX_ROWS and inputs_embeds is None
-                and not return_hidden and not self.packed_keys and (trees is None or trees[0] is None)):
+                and not return_hidden and (trees is None or trees[0] is None)):
             return self._positional_forward(caches[0], flat[0], int(num_logits[0]))
         if inputs_embeds is not None and [int(e.shape[0]) for e in inputs_embeds] != [int(t.shape[0]) for t in flat]:
             raise QuickdraftError(f"{self.name}: inputs_embeds must give one row per token of each sequence")

@@ -568,16 +568,11 @@ class NativeRunner:
         """One sequence's rows ids [n] at slots `positions` [n] (device tensors), cache reserved: float32 logits
         [num_logits, V]. No shape depends on the positions: the kernels are the same at every step."""
         n = ids.shape[0]
-        x = self._embedding(ids)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
         # starts: only the rope tables' length reads it here (they must cover every slot of the capacity).
-        x = self._layers(x, [cache], [cache.capacity - n], [n], None, positions=positions)
+        x = self._layers(self._input_rows(ids), [cache], [cache.capacity - n], [n], None, positions=positions)
         if num_logits == 0:
             return torch.zeros((0, self.vocab_size), dtype=torch.float32, device=self.device)
-        head_float = self._float_residual and self.lm_head.reads_float32
-        return self.output_logits(self._norm(x[n - num_logits:].contiguous(), self.final_norm,
-                                             float_output=head_float))
+        return self.output_logits(self._final_norm(x[n - num_logits:]))
 
     def _positional_forward(self, cache: StaticSequenceCache, ids: torch.Tensor, num_logits: int) -> torch.Tensor:
         """forward of one sequence on the position-independent path (`cuda_graphs`). On CUDA each (cache storage,
@@ -636,11 +631,22 @@ class NativeRunner:
         self.cuda_graphs = enabled
         self._graphs.clear()
 
+    def _input_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input rows for ids [n] (on the device): their embeddings, Gemma's scale applied, in the
+        residual stream's dtype."""
+        x = self._embedding(ids)
+        return x * self.embed_scale if self.embed_scale is not None else x
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm of rows x [n, hidden]: float32 rows where a float32 residual stream feeds an output head
+        on GGUF blocks (as the other norms hand their GGUF layers), else the model's dtype."""
+        return self._norm(x.contiguous(), self.final_norm,
+                          float_output=self._float_residual and self.lm_head.reads_float32)
+
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of token ids [n] as the first layer reads them (Gemma's scale applied),
         [n, hidden] in the model's dtype: what an EAGLE head pairs with the target's features."""
-        x = self._embedding(ids.to(self.device))
-        return (x * self.embed_scale if self.embed_scale is not None else x).to(self.dtype)
+        return self._input_rows(ids.to(self.device)).to(self.dtype)
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [n, hidden] (after the final norm) -> float32 logits [n, V], softcapped where the
@@ -697,9 +703,7 @@ class NativeRunner:
             x = (inputs_embeds[0] if len(inputs_embeds) == 1 else torch.cat(inputs_embeds)).to(
                 self.residual_dtype).contiguous()
         else:
-            x = self._embedding(ids)  # [num_tokens, hidden]
-            if self.embed_scale is not None:
-                x = x * self.embed_scale
+            x = self._input_rows(ids)  # [num_tokens, hidden]
         decoder = self._native_decoder() if use_decoder else None
         if decoder is not None:
             decoder, kinds = decoder
@@ -715,11 +719,8 @@ class NativeRunner:
             cache.record(part)
         self.forwards += 1
         hidden = None
-        # A float32 residual stream's final norm hands an output head on GGUF blocks float32 rows, as the other
-        # norms hand their GGUF layers.
-        head_float = self._float_residual and self.lm_head.reads_float32
         if return_hidden:  # every row normed (a row is normed alike alone or among others), then selected
-            x = self._norm(x.contiguous(), self.final_norm, float_output=head_float)  # [num_tokens, hidden]
+            x = self._final_norm(x)  # [num_tokens, hidden]
             hidden = x.to(self.dtype)  # what an EAGLE head reads: the model's dtype
         # The final norm and the output head on the selected rows only: the last num_logits[i] of sequence i.
         if len(caches) == 1:
@@ -733,6 +734,6 @@ class NativeRunner:
             logits = torch.zeros((0, self.vocab_size), dtype=torch.float32, device=self.device)
             return (logits, hidden) if return_hidden else logits
         if hidden is None:
-            rows = self._norm(rows.contiguous(), self.final_norm, float_output=head_float)
+            rows = self._final_norm(rows)
         logits = self.output_logits(rows)  # [sum(num_logits), vocab]
         return (logits, hidden) if return_hidden else logits

@@ -56,16 +56,24 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def forward_by_rows(model, rows: list[int], context: int, rounds: int, device: torch.device) -> dict[int, float]:
-    """Median ms of one forward of n new rows after `context` cached positions, rows interleaved round by round."""
+def runner_after_context(model, context: int, device: torch.device):
+    """A native runner of `model`, a cache holding `context` random tokens, and the generator that drew them (for
+    the rows to come)."""
     from quickdraft.models.native import NativeRunner
 
     runner = NativeRunner(model)
     cache = runner.new_cache()
-    vocab = runner.vocab_size
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        runner.forward(cache, torch.randint(0, vocab, (context,), generator=generator).to(device), 1)
+        runner.forward(cache, torch.randint(0, runner.vocab_size, (context,), generator=generator).to(device), 1)
+    return runner, cache, generator
+
+
+def forward_by_rows(model, rows: list[int], context: int, rounds: int, device: torch.device) -> dict[int, float]:
+    """Median ms of one forward of n new rows after `context` cached positions, rows interleaved round by round."""
+    runner, cache, generator = runner_after_context(model, context, device)
+    vocab = runner.vocab_size
+    with torch.inference_mode():
         times: dict[int, list[float]] = {n: [] for n in rows}
         for round_index in range(rounds + 2):  # two warm-up rounds
             for n in rows:
@@ -85,15 +93,10 @@ def graph_replay_by_rows(model, rows: list[int], context: int, rounds: int, devi
     loop's kernels with no launches from Python, i.e. what capturing the engine's forwards would leave. Each row
     count's graph rewrites the same positions (context..context + n) at every replay, which is all a timing needs.
     {n: ms}, or {n: "the error"} where capture failed."""
-    from quickdraft.models.native import NativeRunner
-
-    runner = NativeRunner(model)
-    cache = runner.new_cache()
+    runner, cache, generator = runner_after_context(model, context, device)
     vocab = runner.vocab_size
-    generator = torch.Generator().manual_seed(0)
     results: dict = {}
     with torch.inference_mode():
-        runner.forward(cache, torch.randint(0, vocab, (context,), generator=generator).to(device), 1)
         cache.reserve(context + max(rows))  # no growth (a new tensor) inside a capture
         for n in rows:
             ids = torch.randint(0, vocab, (n,), generator=generator).to(device)

@@ -142,15 +142,20 @@ def _rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: to
     return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * weight).to(dtype)
 
 
-def _position_mask(positions: torch.Tensor, capacity: int, window: int | None) -> torch.Tensor:
-    """Additive mask [n, capacity] of queries at `positions` (a device tensor) over every key slot: 0 where a
-    query may see the key (causal, within the sliding window), -inf elsewhere (slots past the sequence too)."""
+def _visible_keys(positions: torch.Tensor, capacity: int, window: int | None) -> torch.Tensor:
+    """Which of key slots 0..capacity each query at `positions` [n] (a device tensor) sees, [n, capacity] bool:
+    the causal ones within the sliding window (slots past the sequence none)."""
     k_pos = torch.arange(capacity, device=positions.device)[None, :]
     q_pos = positions[:, None]
     allowed = k_pos <= q_pos
     if window is not None:
         allowed &= k_pos > q_pos - window
-    return torch.zeros(allowed.shape, device=positions.device).masked_fill_(~allowed, float("-inf"))
+    return allowed
+
+
+def _additive_mask(allowed: torch.Tensor) -> torch.Tensor:
+    """A bool visibility [n, keys] as the additive mask attention adds to its scores: 0 where seen, -inf elsewhere."""
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 class NativeRunner:
@@ -448,16 +453,10 @@ class NativeRunner:
         h_kv, end = keys.shape[0], keys.shape[1]
         group = h_q // h_kv
         mask = masks.get(window)
-        if mask is None:  # additive: 0 where a query may see a key, -inf elsewhere
-            if tree is not None:
-                allowed = tree_visibility(tree, start, window).to(q.device)  # [n, end]
-            else:
-                q_pos = torch.arange(start, end, device=q.device)[:, None]
-                k_pos = torch.arange(end, device=q.device)[None, :]
-                allowed = k_pos <= q_pos
-                if window is not None:
-                    allowed &= k_pos > q_pos - window
-            mask = masks[window] = torch.zeros(allowed.shape, device=q.device).masked_fill_(~allowed, float("-inf"))
+        if mask is None:
+            allowed = (tree_visibility(tree, start, window).to(q.device) if tree is not None  # [n, end]
+                       else _visible_keys(torch.arange(start, end, device=q.device), end, window))
+            mask = masks[window] = _additive_mask(allowed)
         # Grouped-query attention without repeating keys: a kv head's queries are rows of one matmul.
         q = q.reshape(n, h_kv, group, d).permute(1, 2, 0, 3).reshape(h_kv, group * n, d)
         scores = (q @ keys.transpose(1, 2)).view(h_kv, group, n, end)
@@ -527,8 +526,8 @@ class NativeRunner:
                     keys.index_copy_(1, positions, qk[:, h_q:].transpose(0, 1).to(keys.dtype))
                     values.index_copy_(1, positions, qkv[:, (h_q + h_kv) * d:].view(n, h_kv, d).transpose(0, 1))
                     if layer.sliding_window not in masks[0]:
-                        masks[0][layer.sliding_window] = _position_mask(positions, keys.shape[1],
-                                                                        layer.sliding_window)
+                        masks[0][layer.sliding_window] = _additive_mask(
+                            _visible_keys(positions, keys.shape[1], layer.sliding_window))
                     attn = self._attention(qk[:, :h_q], keys, values, 0, layer.sliding_window, masks[0])
                 else:
                     parts = []

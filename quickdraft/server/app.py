@@ -4,13 +4,15 @@
 Errors have OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 for invalid input (pydantic's
 and SamplingParams' checks, a prompt over the context), 401 without the API key, 404 for another model name,
 413 for a body over the limit, 503 with Retry-After when the queue is full (and while shutting down), 500 when
-the engine fails a request (the server goes on serving the others).
+the engine fails a request (the server goes on serving the others); FastAPI's own refusals (a body that is not
+JSON or nests too deeply to read, an unknown path) have that body too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from quickdraft.api import LLM
 from quickdraft.errors import QuickdraftError
@@ -157,6 +160,18 @@ async def _unless_disconnected(request: Request, work) -> Any:
     raise ApiError(499, "the client disconnected")
 
 
+def _http_error_message(exc: HTTPException) -> str:
+    """What went wrong where FastAPI says only "There was an error parsing the body": its JSON reader raised
+    something other than a JSON syntax error (which is a validation error), e.g. RecursionError for a body
+    nested deeper than Python's recursion limit, or UnicodeDecodeError for bytes that are not UTF-8."""
+    if isinstance(exc.__cause__, RecursionError):
+        return (f"the request body's JSON is nested too deeply to parse (Python's JSON reader stops short of "
+                f"{sys.getrecursionlimit()} levels); send a flatter body")
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        return f"the request body is not valid JSON: {type(exc.__cause__).__name__}: {exc.__cause__}"
+    return str(exc.detail)
+
+
 def create_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     """An app over `llm`; its engine thread starts and stops with the app's lifespan."""
     config = config or ServerConfig()
@@ -187,6 +202,12 @@ def create_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         param = ".".join(loc) or None
         message = f"{param}: {first['msg']}" if param else first["msg"]
         return _error_response(ApiError(400, message, param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """FastAPI's and Starlette's own refusals (a path or method the app does not have, a body its JSON
+        reader raised on) in OpenAI's body too."""
+        return _error_response(ApiError(exc.status_code, _http_error_message(exc), headers=exc.headers))
 
     @app.exception_handler(QuickdraftError)
     async def quickdraft_error(request: Request, exc: QuickdraftError) -> JSONResponse:

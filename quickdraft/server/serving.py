@@ -155,6 +155,8 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_name = served_model_name
         self.max_len = llm.engine.max_len
+        template = str(getattr(llm.tokenizer, "chat_template", None) or "")
+        self.template_names_developer = "'developer'" in template or '"developer"' in template
 
     # --- request checks ---
     def check_model(self, model: str | None) -> None:
@@ -170,9 +172,17 @@ class OpenAIServing:
         return self.llm.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def chat_prompt(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The conversation's token ids through the model's chat template (which renders `tools`)."""
+        """The conversation's token ids through the model's chat template (which renders `tools`).
+
+        OpenAI's "developer" messages (its newer name for the application's instructions) reach a template that
+        does not name that role as "system" messages, as llama.cpp's server does: most templates know only
+        "system" (Qwen2.5's drops a message of another role without a word; SmolLM2's writes its default system
+        prompt before it)."""
+        rendered = [m.for_template() for m in messages]
+        if not self.template_names_developer:
+            rendered = [{**m, "role": "system"} if m["role"] == "developer" else m for m in rendered]
         try:
-            prompt = self.llm.chat_prompt([m.for_template() for m in messages], tools=tools)
+            prompt = self.llm.chat_prompt(rendered, tools=tools)
         except QuickdraftError as exc:
             raise ApiError(400, str(exc), "tools" if str(exc).startswith("tools") else "messages") from None
         except Exception as exc:  # the template's own checks (e.g. role order) raise template errors

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from quickdraft import SamplingParams
 from quickdraft.server import create_app
+from quickdraft.server.protocol import CHAT_ROLES
 from tiny_server import MODEL_NAME, WORDS, config, metric, sse_events, tiny_llm, words
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
@@ -157,6 +158,9 @@ def test_sampling_options_match_generate(llm):
     ("/v1/completions", {"prompt": [70, 80]}, "prompt"),  # token ids outside the vocabulary
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "w1"}]}, "messages.0.role"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "w1"}, {"role": "wizard", "content": "w2"}]},
+     "messages.1.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "frequency_penalty": -9},
      "frequency_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "tools": [{"type": "function"}]},
@@ -175,6 +179,42 @@ def test_malformed_json_is_400(llm):
     with client_for(llm) as client:
         response = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["type"] == "BadRequestError"
+
+
+def test_unknown_chat_role_is_400_naming_the_roles(llm):
+    with client_for(llm) as client:
+        response = client.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "w1"}]})
+        assert response.status_code == 400
+        message = response.json()["error"]["message"]
+        assert all(f"'{role}'" in message for role in CHAT_ROLES), message
+        # every role OpenAI's API takes is served; a template that does not name "developer" (as the tiny one
+        # does not) reads a developer message as a system message
+        for role in CHAT_ROLES:
+            body = {"messages": [{"role": "user", "content": "w1"}, {"role": role, "content": "w2"}],
+                    "max_tokens": 2}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200, role
+        tokens = {role: client.post("/tokenize", json={"messages": [{"role": role, "content": "w1"}]}).json()["tokens"]
+                  for role in ("developer", "system", "user")}
+        assert tokens["developer"] == tokens["system"] != tokens["user"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_body_nested_too_deeply_is_400_with_the_error_body(llm, path):
+    """5,000 levels: Python's JSON reader raises RecursionError, which FastAPI answers with a bare 400 unless the
+    app gives it OpenAI's body; the server goes on serving."""
+    deep = "[" * 5000 + "]" * 5000
+    with client_for(llm) as client:
+        for body in (deep, '{"prompt": %s}' % deep, '{"messages": [{"role": "user", "content": %s}]}' % deep):
+            response = client.post(path, content=body.encode(), headers={"content-type": "application/json"})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["type"] == "BadRequestError" and error["code"] == 400
+            assert "nested too deeply" in error["message"]
+        not_utf8 = client.post(path, content=b'{"prompt": "\xff"}', headers={"content-type": "application/json"})
+        assert not_utf8.status_code == 400 and "not valid JSON" in not_utf8.json()["error"]["message"]
+        assert client.post("/v1/completions", json={"prompt": "w1", "max_tokens": 2}).status_code == 200
+        unknown = client.get("/v1/nowhere")
+        assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "NotFoundError"
 
 
 def test_prompt_over_the_context_is_400(llm):

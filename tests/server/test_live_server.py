@@ -1,8 +1,9 @@
 """The app under a real uvicorn on a loopback port (in a thread): a client that drops mid-stream (or gives up
 waiting for a whole response) has its request aborted and its KV blocks freed, a full queue answers 503 with
-Retry-After, a shutdown drains (new requests 503, in-flight ones finish, then the server exits), and a bounded
-burst of concurrent requests all get exactly LLM.generate's greedy text. Steps are held with a StepGate where a
-test needs requests in flight; no timing assertions."""
+Retry-After, a shutdown drains (new requests 503, in-flight ones finish, then the server exits), a body nested
+5,000 deep is a 400 the server survives, and a bounded burst of concurrent requests all get exactly
+LLM.generate's greedy text. Steps are held with a StepGate where a test needs requests in flight; no timing
+assertions."""
 
 from __future__ import annotations
 
@@ -111,6 +112,18 @@ def test_shutdown_drains_then_exits():
         assert status == 200 and events[-1] == "[DONE]"
         assert "".join(e["choices"][0]["text"] for e in events[:-1]) == reference
         wait_until(lambda: server.should_exit, what="the server to exit after the drain")
+
+
+def test_body_nested_5000_deep_is_400_and_the_server_stays_up():
+    deep = "[" * 5000 + "]" * 5000
+    with live_server(tiny_llm(), config()) as (base, _):
+        with httpx.Client(base_url=base, timeout=TIMEOUT_S) as client:
+            response = client.post("/v1/chat/completions", content=('{"messages": %s}' % deep).encode(),
+                                   headers={"content-type": "application/json"})
+            assert response.status_code == 400 and response.json()["error"]["type"] == "BadRequestError"
+            assert "nested too deeply" in response.json()["error"]["message"]
+            assert client.post("/v1/completions", json={"prompt": "w1", "max_tokens": 2}).status_code == 200
+            assert client.get("/health").status_code == 200
 
 
 def test_concurrent_burst_gets_exact_greedy_text():

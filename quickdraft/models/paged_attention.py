@@ -65,15 +65,15 @@ def _visible(rows: _Rows, b: torch.Tensor, q: torch.Tensor, j: torch.Tensor, win
 
 
 def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """parents [B, P] (tree slot t's parent t' relative to base, -1: a child of the root) -> [B, P, P] bool:
+    """parents [..., P] (tree slot t's parent t' relative to base, -1: a child of the root) -> [..., P, P] bool:
     whether tree slot t' is t or one of its ancestors. A parent precedes its child, so a path is at most P - 1
     steps: (P - 1).bit_length() squarings of (identity | parent) close it, a count fixed by the shape."""
-    size = parents.shape[1]
+    size = parents.shape[-1]
     index = torch.arange(size, device=parents.device)
-    reach = (parents[:, :, None] == index) | (index[:, None] == index)  # [B, P, P]
+    reach = (parents[..., :, None] == index) | (index[:, None] == index)  # [..., P, P]
     for _ in range(max(size - 1, 0).bit_length()):
         as_float = reach.float()  # 0/1 products summed below 2^24: exact in float32 (and in TF32)
-        reach = torch.bmm(as_float, as_float) > 0
+        reach = (as_float @ as_float) > 0
     return reach
 
 

@@ -89,7 +89,8 @@ class PagedStep:
         self.batch, self.rows, self.max_blocks, self.block_size = batch, rows, max_blocks, block_size
         self.max_len = max_blocks * block_size
         self.block_tables = packed[:, :max_blocks]
-        start, count, base = packed[:, max_blocks], packed[:, max_blocks + 1], packed[:, max_blocks + 2]
+        # Copies, not views of `packed`: a compiled FlexAttention on the CPU takes no view in its mask.
+        start, count, base = packed[:, max_blocks:max_blocks + 3].t().contiguous()
         parents = packed[:, max_blocks + 3:]
         device = packed.device
         slot = start[:, None] + torch.arange(rows, device=device)  # [B, R]
@@ -142,6 +143,28 @@ class PagedStep:
         """[B, R] each row's position (rope's row); padded rows at 0."""
         return torch.where(self.rows_layout.valid, self.rows_layout.position, 0)
 
+    def flat_cells(self, total_rows: int) -> torch.Tensor:
+        """[total_rows] the grid cell b x R + r of each row of a flat layout (sequence 0's rows, then sequence 1's,
+        .., then padding rows, which get cell B x R, one past the grid): what a runner whose linear layers run on
+        the step's rows alone (not on the padded grid) gathers and scatters by (to_grid, from_grid)."""
+        count = self.rows_layout.end - self.rows_layout.slot[:, 0]  # [B] rows per sequence
+        ends = count.cumsum(0)
+        t = torch.arange(total_rows, device=ends.device)
+        seq = torch.searchsorted(ends, t, right=True)  # [T] in [0, B]; B past the last real row
+        row = t - (ends - count)[seq.clamp(max=self.batch - 1)]
+        return torch.where(seq < self.batch, seq * self.rows + row, self.batch * self.rows)
+
+    def to_grid(self, flat: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+        """Rows [T, ...] of the flat layout -> [B, R, ...] (padded cells zero)."""
+        grid = flat.new_zeros((self.batch * self.rows + 1,) + tuple(flat.shape[1:]))
+        grid.index_copy_(0, cells, flat)  # padding rows all land on the spare cell, cut off below
+        return grid[:-1].view((self.batch, self.rows) + tuple(flat.shape[1:]))
+
+    def from_grid(self, grid: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+        """[B, R, ...] -> the flat layout's rows [T, ...] (padding rows read a zero row)."""
+        rows = grid.reshape((self.batch * self.rows,) + tuple(grid.shape[2:]))
+        return torch.cat([rows, rows.new_zeros((1,) + tuple(rows.shape[1:]))]).index_select(0, cells)
+
     def slot_mapping(self) -> torch.Tensor:
         """[B * R] the pool slot each row's keys and values go to (padded rows: the null block's slot 0)."""
         layout, bs = self.rows_layout, self.block_size
@@ -177,7 +200,10 @@ class PagedStep:
             return _visible(layout, b, q_idx.clamp(max=last_row), j, window)
 
         num_blocks = used.to(torch.int32)[:, None, None].expand(-1, 1, tiles).contiguous()
-        indices = tables.to(torch.int32)[:, None, None, :].expand(-1, 1, tiles, -1).contiguous()
+        # Indices as wide as the pool's blocks (compiled kernels check the mask covers the kv length); only the
+        # first `used` of each row are read.
+        indices = torch.zeros((self.batch, 1, tiles, num_pool_blocks), dtype=torch.int32, device=tables.device)
+        indices[..., :self.max_blocks] = tables.to(torch.int32)[:, None, None, :]
         return BlockMask.from_kv_blocks(num_blocks, indices, BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=mask_mod,
                                         seq_lengths=(self.rows, num_pool_blocks * bs), compute_q_blocks=False)
 

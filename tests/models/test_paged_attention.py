@@ -205,6 +205,26 @@ def test_slot_mapping_positions_and_padding():
     assert step.mask()[0, 0, 1:, 0].all() and not step.mask()[0, 0, 1:, 1:].any()  # a's padded rows alike
 
 
+def test_a_flat_layout_of_the_rows_maps_to_the_grid_and_back():
+    pool = PagedKVPool(1, 1, D, 16, BS)
+    seqs = [pool.new_sequence() for _ in range(3)]
+    for seq, n in zip(seqs, (5, 2, 7)):
+        pool.append_slots(seq, n)
+    counts = [1, 2, 4]
+    step = PagedStep.pack([s.blocks for s in seqs], [4, 0, 3], counts, None, batch=4, rows=4, max_blocks=2,
+                          tree_size=0, block_size=BS)
+    cells = step.flat_cells(10)  # 7 real rows, 3 padding rows
+    assert cells.tolist() == [0, 4, 5, 8, 9, 10, 11, 16, 16, 16]
+    flat = torch.arange(10.0)[:, None].expand(10, 3)
+    grid = step.to_grid(flat, cells)
+    assert grid.shape == (4, 4, 3) and grid[2, :4, 0].tolist() == [3, 4, 5, 6] and grid[3].abs().sum() == 0
+    back = step.from_grid(grid, cells)
+    assert back[:7].equal(flat[:7]) and not back[7:].any()
+    flat_slots = step.from_grid(step.slot_mapping().view(4, 4), cells)
+    expected = [slot for s, st, c in zip(seqs, [4, 0, 3], counts) for slot in pool.slots(s, st, c)]
+    assert flat_slots[:7].tolist() == expected
+
+
 def test_tree_ancestors_match_tree_attention():
     rng = random.Random(3)
     for _ in range(20):
@@ -229,6 +249,9 @@ def test_the_step_reads_no_value_on_the_host():
     out = paged_attention(torch.empty(batch, rows, 4, D, device="meta"), *caches, step.block_tables,
                           step.mask(3, 2), 0.3)
     assert out.shape == (batch, rows, 4, D) and step.positions.shape == (batch, rows)
+    cells = step.flat_cells(12)  # a flat layout of 12 rows, and back
+    flat = step.from_grid(step.to_grid(torch.empty(12, 4, D, device="meta"), cells), cells)
+    assert flat.shape == (12, 4, D)
     step.block_mask(10, 3)  # FlexAttention's block mask too
 
 

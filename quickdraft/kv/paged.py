@@ -144,7 +144,8 @@ class PagedKVPool:
 
     def blocks_needed(self, seq: PagedSequence, count: int) -> int:
         """Blocks `append_slots(seq, count)` takes from num_free_blocks: the new blocks past the table's end, and
-        one more where the partial last block is shared and is copied on write."""
+        one more where the partial last block is shared and is copied on write. Summed over a batch it is an upper
+        bound: of two sequences sharing a partial last block (a fork), only the first to write copies it."""
         if count <= 0:
             return 0
         bs = self.block_size

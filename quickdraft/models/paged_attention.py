@@ -82,7 +82,8 @@ class PagedStep:
 
     Built from the packed int64 tensor `packed` [B, MB + 3 + P]: columns [0, MB) the block tables (null block
     padded), then start, count and base, then the P tree parents. `pack` makes it from the host's lists; a
-    CUDA graph keeps a static `packed` buffer, copies the step's into it, and replays the ops derived here."""
+    CUDA graph keeps a static `packed` buffer, copies the step's (`packed`) into it, and replays the ops derived
+    here."""
 
     def __init__(self, packed: torch.Tensor, rows: int, max_blocks: int, block_size: int):
         batch = packed.shape[0]
@@ -113,30 +114,37 @@ class PagedStep:
              trees: list[TreeAttention | None] | None, batch: int, rows: int, max_blocks: int, tree_size: int,
              block_size: int, device: torch.device | str = "cpu") -> "PagedStep":
         """The step of len(tables) sequences padded to `batch` sequences of `rows` rows, `max_blocks` blocks and
-        `tree_size` tree slots, in one host-to-device copy. trees: per sequence None (causal rows) or the
-        TreeAttention of its rows (ending at start + count)."""
+        `tree_size` tree slots, in one host-to-device copy (see packed)."""
+        packed = PagedStep.packed(tables, starts, counts, trees, batch, rows, max_blocks, tree_size, block_size)
+        return PagedStep(packed.to(device), rows, max_blocks, block_size)
+
+    @staticmethod
+    def packed(tables: list[list[int]], starts: list[int], counts: list[int],
+               trees: list[TreeAttention | None] | None, batch: int, rows: int, max_blocks: int, tree_size: int,
+               block_size: int) -> torch.Tensor:
+        """The packed int64 tensor of a step, on the host: what a CUDA graph's static buffer is refreshed from
+        before a replay. tables: each sequence's block table (PagedSequence.blocks); starts: its slots before
+        this step; counts: its rows; trees: per sequence None (causal rows) or the TreeAttention of its rows
+        (ending at start + count). Padding sequences: null tables, no rows."""
         trees = trees or [None] * len(tables)
         if not len(tables) == len(starts) == len(counts) == len(trees) or len(tables) > batch:
-            raise ValueError(f"PagedStep.pack: {len(tables)} tables, {len(starts)} starts, {len(counts)} counts, "
+            raise ValueError(f"PagedStep.packed: {len(tables)} tables, {len(starts)} starts, {len(counts)} counts, "
                              f"{len(trees)} trees for a batch of {batch}")
-        packed = torch.full((batch, max_blocks + 3 + tree_size), -1, dtype=torch.long)
-        packed[:, :max_blocks] = NULL_BLOCK
-        packed[:, max_blocks:max_blocks + 3] = 0  # padding sequences: no rows, nothing seen but slot 0
+        lines = []
         for i, (table, start, count, tree) in enumerate(zip(tables, starts, counts, trees)):
             if count > rows or len(table) > max_blocks or -(-(start + count) // block_size) > len(table):
-                raise ValueError(f"PagedStep.pack: sequence {i} ({count} rows from slot {start}, {len(table)} "
+                raise ValueError(f"PagedStep.packed: sequence {i} ({count} rows from slot {start}, {len(table)} "
                                  f"blocks) does not fit {rows} rows and {max_blocks} blocks of {block_size}")
-            base = start + count
+            base, parents = start + count, []
             if tree is not None:
-                check_tree("PagedStep.pack", tree, start, count, f" (sequence {i})")
+                check_tree("PagedStep.packed", tree, start, count, f" (sequence {i})")
                 if len(tree.parents) > tree_size:
-                    raise ValueError(f"PagedStep.pack: a tree of {len(tree.parents)} slots, tree_size {tree_size}")
-                base = tree.base
-                packed[i, max_blocks + 3:max_blocks + 3 + len(tree.parents)] = \
-                    torch.tensor(tree.parents, dtype=torch.long) - base
-            packed[i, :len(table)] = torch.tensor(table, dtype=torch.long)
-            packed[i, max_blocks:max_blocks + 3] = torch.tensor([start, count, base])
-        return PagedStep(packed.to(device), rows, max_blocks, block_size)
+                    raise ValueError(f"PagedStep.packed: a tree of {len(tree.parents)} slots, tree_size {tree_size}")
+                base, parents = tree.base, [parent - tree.base for parent in tree.parents]
+            lines.append(list(table) + [NULL_BLOCK] * (max_blocks - len(table)) + [start, count, base] + parents +
+                         [-1] * (tree_size - len(parents)))
+        padding = [NULL_BLOCK] * max_blocks + [0, 0, 0] + [-1] * tree_size  # no rows; its rows see slot 0 only
+        return torch.tensor(lines + [padding] * (batch - len(lines)), dtype=torch.long).view(batch, -1)
 
     @property
     def positions(self) -> torch.Tensor:

@@ -234,8 +234,10 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     batch, rows, heads, dim = q.shape
     kv_heads = key_cache.shape[2]
     group = heads // kv_heads
-    keys = key_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, d]
-    values = value_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    # One index_select of whole blocks (rows of a 2-D view): several times faster than advanced indexing on the CPU.
+    pages = block_tables.reshape(-1)
+    keys = key_cache.flatten(1).index_select(0, pages).view(batch, -1, kv_heads, dim).transpose(1, 2)  # [B, Hkv, L, d]
+    values = value_cache.flatten(1).index_select(0, pages).view(batch, -1, kv_heads, dim).transpose(1, 2)
     # Query head h reads kv head h // G: its G heads become rows g x R + r of that kv head's matrix.
     q = q.view(batch, rows, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * rows, dim)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)  # [B, Hkv, G x R, d]

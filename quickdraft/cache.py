@@ -29,7 +29,7 @@ class SequenceCache:
     @property
     def nbytes(self) -> int:
         """The bytes its tensors take now, as the scheduler measures them; transformers' growing cache is not
-        measured (0), a native runner's preallocated one is (kv_pool.StaticSequenceCache)."""
+        measured (0), a native runner's preallocated one is (kv.static_cache.StaticSequenceCache)."""
         return 0
 
     @property

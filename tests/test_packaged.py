@@ -71,13 +71,13 @@ def test_a_draft_with_another_tokenizer_drafts_over_the_intersection(gemma3, smo
     """Gemma 3 (SentencePiece-style, 262k tokens) as target, SmolLM2 (byte-level BPE, 49k) as draft: the draft
     proposes tokens of the intersection, compared by the bytes they stand for, and greedy output is plain
     greedy output."""
-    from quickdraft.drafts.cross_vocab import CrossVocabDraftProposer
+    from quickdraft.drafts.draft_model import DraftModelProposer
     from quickdraft.token_bytes import token_bytes
 
     llm = LLM(gemma3.target.model, tokenizer=gemma3.tokenizer, dtype="float32", device="cpu",
               speculative_config={"model": smollm2.target.model, "tokenizer": smollm2.tokenizer,
                                   "num_speculative_tokens": 4, "adaptive": False})
-    assert isinstance(llm.proposer, CrossVocabDraftProposer)
+    assert isinstance(llm.proposer, DraftModelProposer)
     mapping = llm.proposer.mapping
     assert 30_000 < mapping.size < 49_152
     # The byte tables agree with each tokenizer's own decoding of its tokens.

@@ -12,7 +12,8 @@ from transformers import PreTrainedTokenizerFast
 
 from conftest import assert_greedy_equals_plain, tiny_llama
 from quickdraft import LLM, SamplingParams
-from quickdraft.drafts.cross_vocab import CrossVocabDraftProposer, VocabMapping
+from quickdraft.drafts.draft_model import DraftModelProposer
+from quickdraft.drafts.vocab_mapping import IntersectionMapping
 from quickdraft.token_bytes import token_bytes
 from quickdraft.errors import QuickdraftError, TokenizerMismatchError
 
@@ -32,7 +33,7 @@ def piece_tokenizer(pieces: list[str]) -> PreTrainedTokenizerFast:
 
 
 def test_piece_tokenizers_intersect_by_text():
-    mapping = VocabMapping(piece_tokenizer(TARGET_PIECES), piece_tokenizer(DRAFT_PIECES), 4, 5)
+    mapping = IntersectionMapping(piece_tokenizer(TARGET_PIECES), piece_tokenizer(DRAFT_PIECES), 4, 5)
     pairs = sorted(zip(mapping.target_ids.tolist(), mapping.draft_ids.tolist()))
     assert pairs == [(0, 4), (1, 0), (3, 2)]  # a, b, ab
     assert mapping.target_to_draft.tolist() == [4, 0, -1, 2]
@@ -68,7 +69,7 @@ def test_byte_tables_of_byte_level_and_sentencepiece_styles():
     assert table[2] == b" the" and table[0] == b"\xc3" and fallback == {0, 1} and table[4] == "é".encode()
     assert set(special) == {"<eos>", "<bos>"}
 
-    mapping = VocabMapping(spm, byte_level, len(spm), len(byte_level))
+    mapping = IntersectionMapping(spm, byte_level, len(spm), len(byte_level))
     by_target = dict(zip(mapping.target_ids.tolist(), mapping.draft_ids.tolist()))
     # ' the', 'caf', 'é' in both; the target's byte token <0xC3> and the draft's single byte 'Ã' are one byte
     # each: in the intersection too.
@@ -81,7 +82,7 @@ def test_byte_tables_of_byte_level_and_sentencepiece_styles():
 
 def test_tokenizers_with_nothing_in_common_are_refused():
     with pytest.raises(QuickdraftError, match="share no token"):
-        VocabMapping(piece_tokenizer(["a", "b"]), piece_tokenizer(["c", "d"]), 2, 2)
+        IntersectionMapping(piece_tokenizer(["a", "b"]), piece_tokenizer(["c", "d"]), 2, 2)
 
 
 def _cross_vocab_llm(seed_draft: int = 5, k: int = 3, **config) -> LLM:
@@ -112,7 +113,7 @@ def test_five_tokens_drafted_over_the_intersection_follow_the_target_law(setting
 
     prompt, _, law, test = _setup("draft_model", setting)
     llm = _cross_vocab_llm()
-    assert isinstance(llm.proposer, CrossVocabDraftProposer) and llm.proposer.mapping.size == 3
+    assert isinstance(llm.proposer, DraftModelProposer) and llm.proposer.mapping.size == 3
     n = N["draft_model"]
     params = SETTINGS[setting]
     if seeding == "rejection":

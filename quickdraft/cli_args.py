@@ -19,11 +19,14 @@ def add_sampling_filter_arguments(p) -> None:
 
 def add_tree_argument(p) -> None:
     """--tree N,D | auto: speculative_config's "tree" (token trees of at most N nodes and D levels per step, or
-    sized by the engine); on top of --draft or --speculative-config."""
+    sized by the engine); on top of --draft or --speculative-config. The drafts its help names are the registry's
+    that propose trees (drafts.tree_methods; importing the registry imports torch, as --draft's help does)."""
+    from quickdraft.drafts import draft_help
+
     p.add_argument("--tree", default=None, metavar="N,D|auto",
                    help="draft token trees of at most N nodes and D levels per step instead of chains (auto: the "
-                        "engine sizes them); for drafts that propose trees: ngram, suffix, draft models, layers:N, "
-                        "quantized")
+                        "engine sizes them); for drafts that propose trees: "
+                        f"{draft_help(None, ', ', trees_only=True)}")
 
 
 def tree_setting(text: str | None) -> str | dict[str, int] | None:

@@ -2,11 +2,11 @@
 
 The model (Leviathan et al. 2023, extended to drafts that sometimes propose nothing):
   alpha  per-token acceptance: the chance that a draft token is accepted given that the ones before it were
-  f      the fraction of steps that proposed at least one token (1 for model drafts; n-gram lookup may miss)
+  f      the fraction of steps that proposed at least one token (1 for model drafts; a lookup may miss)
   k      the mean draft length of those steps (K for model drafts)
   E      expected tokens per step = (1 - f) + f * (1 - alpha^(k+1)) / (1 - alpha)
   cost   per step = (1 - f) * t_target(1) + f * t_target(k+1) + draft time per step
-         (a model draft: K * t_draft_step; n-gram: its measured propose time)
+         (a model draft: K * t_draft_step; a lookup: its measured propose time)
   predicted speedup = E * t_target(1) / cost
 For f = 1 and k = K this is Leviathan et al.'s E = (1 - alpha^(K+1)) / (1 - alpha) and cost
 t_target(K+1) + K * t_draft_step. The measured speedup also pays for verification and bookkeeping, which the

@@ -141,7 +141,8 @@ def build_report(config: dict, runners: Sequence[Runner], results: dict[str, lis
             overall = variants[runner.label]["overall"]
             draft = costs.draft_statistics(metrics)
             entry = {"method": runner.spec.name, "k": runner.k,
-                     "draft_kind": "n-gram lookup" if runner.spec.name == "ngram" else "model forward",
+                     # As the proposer declares itself (Proposer.runs_a_model), not by its name.
+                     "draft_kind": "model forward" if runner.proposer.runs_a_model else "lookup",
                      **draft, **costs.predict(draft, forward_s),
                      "measured_tokens_per_step": overall["tokens_per_target_forward"],
                      "measured_speedup": overall["speedup_vs_none"]}

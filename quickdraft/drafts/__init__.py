@@ -68,18 +68,16 @@ class SpeculativeConfig:
     (`options`, its DraftOptions dataclass, given as flat keys like vLLM's: {"method": "suffix",
     "suffix_decoding_max_tree_depth": 24}; read back as attributes too).
 
-    method: none | ngram | draft_model | layer_skip | quantized | suffix | eagle | model_lookup (inferred as
-        draft_model when only `model` is given), or a method registered later; its options and what it does are in
-        its file, drafts/<method>.py. `model_lookup`: the suffix lookup's draft where it is confident, the draft
-        `model`'s elsewhere. `quantized` drafts with the target's own weights quantized to `quantization`.
-        `eagle` drafts with a head trained on the target's hidden states (`model`: the head's directory, written
-        by `quickdraft distill`; default: the head shipped for the target).
+    method: a registered method's name (METHODS: the built-in ones, in BUILT_IN's order; or one registered
+        later), inferred as draft_model when only `model` is given; its options and what it does are in its
+        file, drafts/<method>.py.
     num_speculative_tokens: K, the draft length per step (the largest K when adaptive).
     adaptive: pick K per request and step from the measured acceptance and forward costs, down to plain
         decoding where speculation would lose (K=0). False: always propose num_speculative_tokens.
-    model: the draft model for draft_model and model_lookup (alias, .gguf, directory, hub id or a loaded model),
-        eagle's head directory. A draft with another tokenizer than the target's drafts over the two
-        vocabularies' intersection (exact: drafts/vocab_mapping.py).
+    model: the draft model of a method that loads one (Proposer.loads_draft_model: an alias, .gguf, directory,
+        hub id or a loaded model), or what another method's file says (eagle: its head's directory). A draft
+        with another tokenizer than the target's drafts over the two vocabularies' intersection (exact:
+        drafts/vocab_mapping.py).
     tokenizer: the draft model's tokenizer, when `model` is a model object (a loaded model has none of its own).
     acceptance: "exact" (the default: rejection sampling, the output is the target's) or "relaxed", a LOSSY mode
         that must be asked for by name: a draft token x is also accepted whenever p_target(x) >= threshold *
@@ -92,12 +90,9 @@ class SpeculativeConfig:
         children are DETERMINISTIC, q one-hot); "auto": the engine sizes each step's tree, down to a chain;
         None (the default): chains. Read back as a drafts.base.TreeSettings; only methods whose proposer
         proposes trees take it (tree_methods()).
-    The methods' own keys (their defaults and meaning in their options' docstrings): num_layers (layer_skip),
-    quantization (draft_model, layer_skip, quantized, model_lookup: int8 or q4), draft_vocab_size (draft_model,
-    model_lookup: the draft scores only the token ids below it), prompt_lookup_min /
-    prompt_lookup_max (ngram), suffix_decoding_max_tree_depth / _max_cached_tokens / _max_spec_factor /
-    _min_token_prob (suffix, and the lookups of eagle and model_lookup), eagle_lookup (eagle). A key of another
-    method than the chosen one is refused unless it has its default value.
+    The methods' own keys are their options' fields (option_keys(): each key and the methods that take it;
+    their defaults and meaning in the options' docstrings, in the methods' files). A key of another method than
+    the chosen one is refused unless it has its default value.
     """
 
     method: str | None = None
@@ -251,9 +246,11 @@ def _by_spelling() -> list[type[Proposer]]:
     return sorted(PROPOSERS.values(), key=lambda cls: cls.spelling_catches_all)
 
 
-def draft_help(default: str | None = "ngram", separator: str = " | ") -> str:
-    """The --draft help string, from the registry's spellings (lookups first, a draft model last)."""
-    text = separator.join(cls.spelling for cls in _by_spelling() if cls.spelling)
+def draft_help(default: str | None = "ngram", separator: str = " | ", trees_only: bool = False) -> str:
+    """The --draft help string, from the registry's spellings (lookups first, a draft model last); trees_only:
+    only the methods whose proposer proposes token trees (tree_methods(): the --tree help's list)."""
+    text = separator.join(cls.spelling for cls in _by_spelling()
+                          if cls.spelling and (cls.proposes_trees or not trees_only))
     return text + (f" (default: {default})" if default else "")
 
 

@@ -319,6 +319,9 @@ def test_parse_candidates():
     assert [c.label for c in candidates] == ["ngram", "suffix", "layers:3", "quantized"]
     assert all(c.config["num_speculative_tokens"] == 4 and c.config["adaptive"] is False for c in candidates)
     assert [c.is_model for c in candidates] == [False, False, True, True]
+    # Costed as their proposers declare (runs_a_model), whatever their names: eagle and model_lookup run models.
+    model_drafts = tune.parse_candidates(["eagle", {"method": "model_lookup", "model": tiny_llama(seed=1, layers=1)}], 4)
+    assert [c.is_model for c in model_drafts] == [True, True]
     assert candidates[2].config["num_layers"] == 3
     assert [c.label for c in tune.parse_candidates(["ngram", "ngram", {"method": "ngram"}], 2)] == \
         ["ngram", "ngram#2", "ngram#3"]

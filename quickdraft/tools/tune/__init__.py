@@ -1,16 +1,18 @@
 """`quickdraft tune`: which draft, which K, fixed or adaptive, on *my* prompts?
 
-For each candidate draft (the `--draft` strings of `quickdraft generate`: ngram, suffix, layers:N, quantized,
-a draft model) it measures, on the user's prompts and one loaded target:
+For each candidate draft (any `--draft` string of `quickdraft generate`, from the draft registry) it measures,
+on the user's prompts and one loaded target:
 
 1. acceptance by position: every prompt decoded at a fixed K = k_max; alpha_i = accepted_i / reached_i (the
    chance that draft position i is accepted given that every earlier draft of the step was), and the
    distribution of proposal lengths (lookups propose fewer than K tokens, or none, on many steps);
-2. for drafts with probabilities (draft_model, layer_skip, quantized): the mean KL(target || draft) and total
-   variation between the two next-token distributions on the target's own greedy continuations;
+2. for drafts that run a model on the target's token ids (a proposer declaring runs_a_model, with a
+   draft_runner): the mean KL(target || draft) and total variation between the two next-token distributions on
+   the target's own greedy continuations;
 3. step costs: the target forward over 1 .. k_max + 1 rows at a realistic context, and the draft's cost (a
-   model draft's one-token forward per draft token; a lookup's measured propose time per step), forwards timed
-   in rounds spread over the acceptance runs (ForwardTimes);
+   model draft's one-token forward per draft token, or its run's measured draft time per draft token where it
+   has no token-id runner to time (eagle); a lookup's measured propose time per step), forwards timed in rounds
+   spread over the acceptance runs (ForwardTimes);
 4. the predicted speedup at each K (the analytic model below), and then, against plain decoding on the same
    prompts in one interleaved pass, the measured speedup of the predicted best K, fixed and adaptive.
 
@@ -45,8 +47,7 @@ quickdraft/speedup_model.py) and divergence (KL and TV) below report and tuning.
 
 from quickdraft.speedup_model import (expected_drafts_per_step, expected_tokens_per_step, filled_rates,
                                       fit_forward_costs, forward_seconds, step_seconds)
-from quickdraft.tools.tune.candidates import (DEFAULT_DRAFTS, DEFAULT_K_MAX, MODEL_DRAFT_METHODS, Candidate,
-                                              parse_candidates)
+from quickdraft.tools.tune.candidates import DEFAULT_DRAFTS, DEFAULT_K_MAX, Candidate, parse_candidates
 from quickdraft.tools.tune.cli import add_parser, load_llm, run_tune
 from quickdraft.tools.tune.divergence import distribution_divergence, measure_divergence
 from quickdraft.tools.tune.measure import (DEFAULT_MAX_TOKENS, ForwardTimes, Progress, RunTotals, generate_once,
@@ -57,7 +58,7 @@ from quickdraft.tools.tune.report import DraftResult, Measurement, SweepReport, 
 from quickdraft.tools.tune.tuning import sweep, tune
 
 __all__ = [
-    "DEFAULT_DRAFTS", "DEFAULT_K_MAX", "DEFAULT_MAX_TOKENS", "MODEL_DRAFT_METHODS", "PREDICTION_TIE",
+    "DEFAULT_DRAFTS", "DEFAULT_K_MAX", "DEFAULT_MAX_TOKENS", "PREDICTION_TIE",
     "AcceptanceProfile", "Candidate", "DraftResult", "ForwardTimes", "Measurement", "Prediction", "Progress",
     "RunTotals", "SweepReport", "SweepRow", "TuneReport",
     "acceptance_rates", "add_parser", "best_prediction", "distribution_divergence", "expected_drafts_per_step",

@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from quickdraft.drafts import SpeculativeConfig, draft_label, parse_draft
+from quickdraft.drafts import SpeculativeConfig, draft_help, draft_label, method_class, parse_draft
 from quickdraft.errors import QuickdraftError
 
 DEFAULT_DRAFTS = "ngram,suffix"
 DEFAULT_K_MAX = 8
-MODEL_DRAFT_METHODS = ("draft_model", "layer_skip", "quantized")
 
 
 @dataclass(frozen=True)
@@ -26,8 +25,9 @@ class Candidate:
 
     @property
     def is_model(self) -> bool:
-        """Whether it drafts with a model (so it has probabilities, and pays per draft token)."""
-        return self.method in MODEL_DRAFT_METHODS
+        """Whether it drafts with a model, as its proposer declares (Proposer.runs_a_model): it pays per draft
+        token, where a lookup pays per step."""
+        return method_class(self.method).runs_a_model
 
 
 def _config_label(config: dict[str, Any]) -> str:
@@ -44,14 +44,14 @@ def _check_draft_model(model: Any, label: str) -> None:
     try:
         loader.resolve(model)
     except QuickdraftError as exc:
-        raise QuickdraftError(f"unknown draft {label!r}: not ngram, suffix, layers:N or quantized, and not a draft "
+        raise QuickdraftError(f"unknown draft {label!r}: not one of {draft_help(None, ', ')}, and not a draft "
                               f"model ({exc})") from None
 
 
 def parse_candidates(drafts: str | Sequence[Any], k_max: int) -> list[Candidate]:
     """The drafts to tune, each as a Candidate at K = k_max (fixed): a comma list or a list of `--draft` strings
-    (ngram | suffix | layers:N | quantized | a draft model alias/path), speculative_config dicts, or
-    SpeculativeConfigs. Checked before any model loads."""
+    (the draft registry's spellings, drafts.draft_help), speculative_config dicts, or SpeculativeConfigs.
+    Checked before any model loads."""
     if not (isinstance(k_max, int) and not isinstance(k_max, bool) and k_max >= 1):
         raise QuickdraftError(f"k_max must be an integer >= 1, got {k_max!r}")
     if isinstance(drafts, str):
@@ -82,8 +82,8 @@ def parse_candidates(drafts: str | Sequence[Any], k_max: int) -> list[Candidate]
             raise QuickdraftError("draft 'none' is plain decoding, the baseline tune always measures; drop it from "
                                   "the drafts")
         label = label or _config_label(config)
-        if config["method"] == "draft_model":
-            _check_draft_model(config["model"], label)
+        if method_class(config["method"]).loads_draft_model:
+            _check_draft_model(config.get("model"), label)
         taken = [c.label for c in candidates]
         if label in taken:
             label = f"{label}#{taken.count(label) + sum(t.startswith(label + '#') for t in taken) + 1}"

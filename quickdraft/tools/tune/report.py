@@ -50,7 +50,7 @@ class DraftResult:
     candidate: Candidate
     profile: AcceptanceProfile
     draft_s_per_step: float  # lookups: measured propose time per step; model drafts: 0
-    draft_s_per_token: float  # model drafts: measured one-token forward of the draft; lookups: 0
+    draft_s_per_token: float  # model drafts: a one-token forward of the draft, or its measured time a token; lookups: 0
     predictions: list[Prediction]
     best_k: int
     kl: float | None = None  # mean KL(target || draft) on the target's greedy continuations; None for lookups

@@ -22,13 +22,24 @@ DIVERGENCE_POSITIONS = 256  # target/draft positions compared for KL and TV: a f
 COST_REPEATS = 7
 
 
+def _draft_runners(session: _Session) -> dict[str, Any]:
+    """By candidate label, the model each model draft runs on token ids (its draft_runner), whose one-token forward
+    tune times and whose distributions it compares with the target's; not for lookups, nor for a model draft that
+    reads something else (an EAGLE head reads the target's features)."""
+    runners = {c.label: session.draft_llms[c.label].proposer.draft_runner for c in session.candidates if c.is_model}
+    return {label: runner for label, runner in runners.items() if runner is not None}
+
+
 def _draft_costs(session: _Session, candidate: Candidate, profile: AcceptanceProfile,
                  forward_times: ForwardTimes) -> tuple[float, float]:
     """(draft seconds per step, draft seconds per draft token): a lookup's measured propose time per step of
-    its run; a model draft's one-token forward at the target's timing context."""
-    if candidate.is_model:
+    its run; a model draft's one-token forward at the target's timing context, or, for a model draft with no
+    token-id runner to time (eagle), its run's measured draft time per draft token."""
+    if candidate.label in forward_times.runners:
         return 0.0, forward_times.medians(candidate.label)[1]
     pooled = RequestMetrics.combine(session.acceptance_runs[candidate.label].metrics)
+    if candidate.is_model:
+        return 0.0, pooled.draft_time_s / max(1, pooled.proposed_tokens)
     return pooled.draft_time_s / profile.steps, 0.0
 
 
@@ -60,9 +71,9 @@ def tune(llm, prompts: Sequence[Any], drafts: str | Sequence[Any] = DEFAULT_DRAF
     context_ids = session.cost_context()
     session._say(f"timing target forwards of 1..{k_max + 1} rows at {len(context_ids)} tokens of context (and again "
                  "after each prompt) ...")
+    draft_runners = _draft_runners(session)
     timed = {"target": (llm.target, list(range(1, k_max + 2)))}
-    timed.update({c.label: (session.draft_llms[c.label].proposer.draft_runner, [1])
-                  for c in session.candidates if c.is_model})
+    timed.update({label: (runner, [1]) for label, runner in draft_runners.items()})
     forward_times = ForwardTimes(timed, context_ids)
     forward_times.sample(COST_REPEATS)
 
@@ -72,7 +83,7 @@ def tune(llm, prompts: Sequence[Any], drafts: str | Sequence[Any] = DEFAULT_DRAF
     forward_s = forward_times.medians("target")
     forward_fit_s = fit_forward_costs(forward_s)
 
-    continuations = _continuations(session) if any(c.is_model for c in session.candidates) else []
+    continuations = _continuations(session) if draft_runners else []
     temperature = params.temperature if params.temperature > 0 else 1.0
 
     results: list[DraftResult] = []
@@ -88,8 +99,9 @@ def tune(llm, prompts: Sequence[Any], drafts: str | Sequence[Any] = DEFAULT_DRAF
         result = DraftResult(candidate, profile, per_step, per_token, predictions, best_prediction(predictions).k)
         proposer = session.draft_llms[candidate.label].proposer
         # A draft with another tokenizer reads other token ids: its distributions are not over the target's
-        # next token at the same positions, so KL and TV are left out (n/a) for it.
-        if candidate.is_model and proposer.draft_reads_target_tokens:
+        # next token at the same positions, so KL and TV are left out (n/a) for it, and for a draft without a
+        # token-id runner (eagle).
+        if candidate.label in draft_runners and proposer.draft_reads_target_tokens:
             session._say(f"KL and TV of {candidate.label} against the target ...")
             result.kl, result.tv, result.divergence_positions = measure_divergence(
                 llm.target, proposer.draft_runner, continuations, temperature)

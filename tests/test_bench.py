@@ -298,3 +298,49 @@ def test_bench_with_token_trees(tiny_dataset):
     assert report["config"]["tree"] == "6,3"
     for name in ("ngram", "layers:1"):
         assert report["methods"][name]["overall"]["greedy_mismatches"] == 0, name
+
+
+def test_the_default_prompt_set_ships_with_the_package_and_is_the_default(monkeypatch):
+    """`quickdraft bench` without --dataset runs the prompt set in quickdraft/bench/data/ (a clone has no other):
+    it loads, covers Spec-Bench's categories, states its license beside it and is in the package data."""
+    import fnmatch
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from pathlib import Path
+
+    from quickdraft.bench import cli as bench_cli
+    from quickdraft.bench import run as bench_run
+    from quickdraft.bench.dataset import DEFAULT_DATASET, categories_of, load_records
+    from quickdraft.cli import main
+
+    records = load_records(DEFAULT_DATASET)
+    categories = categories_of(records)
+    assert len(categories) == 13 and all(sum(r.category == c for r in records) >= 2 for c in categories)
+    assert any(len(r.turns) == 2 for r in records) and len({r.question_id for r in records}) == len(records)
+    assert "Apache-2.0" in (DEFAULT_DATASET.parent / "README.md").read_text()
+    package = Path(bench_cli.__file__).parents[1]
+    pyproject = tomllib.loads((package.parent / "pyproject.toml").read_text())
+    shipped = pyproject["tool"]["setuptools"]["package-data"]["quickdraft"]
+    for path in (DEFAULT_DATASET, DEFAULT_DATASET.parent / "README.md"):
+        assert any(fnmatch.fnmatch(path.relative_to(package).as_posix(), glob) for glob in shipped), path
+
+    assert BenchConfig().dataset == str(DEFAULT_DATASET)
+    seen = []
+    monkeypatch.setattr(bench_run, "run_bench", lambda cfg: seen.append(cfg))
+    assert main(["bench", "--methods", "ngram"]) == 0
+    assert seen[0].dataset == str(DEFAULT_DATASET)
+
+
+def test_the_table_and_the_bar_say_what_they_count(tiny_dataset, capsys):
+    """The table's title counts prompts (and their turns) that every method ran; the bar counts runs, prompts x
+    methods, and says so."""
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    cfg = BenchConfig(dataset=str(tiny_dataset), methods="ngram", k="2", max_new_tokens=3, categories="writing",
+                      cost_repeats=1)
+    run_bench(cfg, model=tiny_llama(vocab_size=len(WORDS), layers=2), tokenizer=tiny_tokenizer(),
+              console=Console(file=out, width=300))
+    assert "2 prompts (3 turns) run by each method" in out.getvalue()
+    assert "4/4 runs (2 prompts x 2 methods)" in capsys.readouterr().err

@@ -11,8 +11,11 @@ from quickdraft.cli_args import add_tree_argument
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark draft methods and baselines on a Spec-Bench dataset",
                        description="Benchmark quickdraft's draft methods against plain decoding, transformers and "
-                                   "llama.cpp on a Spec-Bench JSONL dataset.")
-    p.add_argument("--dataset", required=True, help="Spec-Bench JSONL file (question_id, category, turns)")
+                                   "llama.cpp on a Spec-Bench JSONL dataset (by default the prompt set that ships "
+                                   "with quickdraft).")
+    p.add_argument("--dataset", default=None,
+                   help="Spec-Bench JSONL file (question_id, category, turns); default: the prompt set that ships with "
+                        "quickdraft, two prompts in each of Spec-Bench's categories (quickdraft/bench/data/)")
     p.add_argument("--model", default=None, help="target: alias, .gguf, directory or hub id (default smollm2-135m)")
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of: {method_help()} "
                                                               f"(default {DEFAULT_METHODS}; none is always added)")
@@ -40,13 +43,15 @@ def add_bench_parser(sub) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    from quickdraft.bench.dataset import DEFAULT_DATASET
     from quickdraft.bench.run import BenchConfig, run_bench
     from quickdraft.models.loader import DEFAULT_MODEL
 
-    cfg = BenchConfig(dataset=args.dataset, model=args.model or DEFAULT_MODEL, methods=args.methods, k=args.k,
-                      max_new_tokens=args.max_new_tokens, limit_per_category=args.limit_per_category,
-                      categories=args.categories, temperature=args.temperature, out=args.out, plots=args.plots,
-                      dtype=args.dtype, device=args.device, threads=args.threads, seed=args.seed,
-                      adaptive=not args.fixed_k, runner=args.runner, batch_sizes=args.batch_sizes, tree=args.tree)
+    cfg = BenchConfig(dataset=args.dataset or str(DEFAULT_DATASET), model=args.model or DEFAULT_MODEL,
+                      methods=args.methods, k=args.k, max_new_tokens=args.max_new_tokens,
+                      limit_per_category=args.limit_per_category, categories=args.categories,
+                      temperature=args.temperature, out=args.out, plots=args.plots, dtype=args.dtype,
+                      device=args.device, threads=args.threads, seed=args.seed, adaptive=not args.fixed_k,
+                      runner=args.runner, batch_sizes=args.batch_sizes, tree=args.tree)
     run_bench(cfg)
     return 0

@@ -1,6 +1,8 @@
 """Spec-Bench datasets: loading and validating the JSONL file, and turning a conversation into prompt tokens.
 
 A record is one JSON object per line: {"question_id": ..., "category": "...", "turns": ["...", ...]}.
+DEFAULT_DATASET is the prompt set that ships with the package (bench/data/: written for quickdraft,
+Apache-2.0, its README says what it holds), which `quickdraft bench` runs without --dataset.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from quickdraft.errors import QuickdraftError
+
+DEFAULT_DATASET = Path(__file__).with_name("data") / "prompts.jsonl"
 
 
 @dataclass(frozen=True)

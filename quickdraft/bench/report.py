@@ -217,8 +217,9 @@ def render(report: dict, console) -> None:
 
     config, methods = report["config"], report["methods"]
     sweep = len(config["k"]) > 1
-    table = Table(title=f"quickdraft bench: {config['model']}, {config['n_prompts']} prompts, "
-                        f"max {config['max_new_tokens']} new tokens, temperature {config['temperature']}")
+    table = Table(title=f"quickdraft bench: {config['model']}, {config['n_prompts']} prompts ({config['n_turns']} "
+                        f"turns) run by each method, max {config['max_new_tokens']} new tokens a turn, "
+                        f"temperature {config['temperature']}")
     for column in ["method", "K", "tok/s mean", "tok/s median", "× none", "× hf", "× llamacpp", "accept",
                    "tok/step", "pred. × none", "meas/pred", "greedy diff"]:
         table.add_column(column, justify="left" if column == "method" else "right")

@@ -16,6 +16,7 @@ import torch
 
 from quickdraft import kernels
 from quickdraft.bench import dataset, greedy, methods
+from quickdraft.bench.dataset import DEFAULT_DATASET
 from quickdraft.bench.names import DEFAULT_METHODS
 from quickdraft.bench.costs import measure_read_bandwidth, measure_target_forward, runner_costs
 from quickdraft.bench.report import PromptResult, Turn, build_report, render, write_json, write_plots
@@ -31,7 +32,7 @@ TIMING_NOTE = ("seconds per generation around the call, prefill included; quickd
 
 @dataclass
 class BenchConfig:
-    dataset: str
+    dataset: str = str(DEFAULT_DATASET)  # the package's own prompt set (bench/data/)
     model: str = loader.DEFAULT_MODEL
     methods: str = DEFAULT_METHODS
     k: str = "5"
@@ -109,11 +110,20 @@ def _conversation(runner, record, prompts: dataset.PromptFormat, cfg: BenchConfi
 
 
 def _progress(console, enabled: bool):
+    """A bar whose count names what it counts (each task's `unit` field: "runs (13 prompts x 4 methods)")."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("ETA"), TimeRemainingColumn(), console=console, disable=not enabled, transient=False)
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[unit]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                    console=console, disable=not enabled, transient=False)
+
+
+def _runs_unit(count: int, runners, per: str) -> str:
+    """What a bar of len(runners) x count steps counts: "runs (13 prompts x 4 methods)", or "method/K pairs"
+    where a K sweep runs a method at several K."""
+    pairs = len({r.spec for r in runners}) != len(runners)
+    return f"runs ({count} {per} x {len(runners)} {'method/K pairs' if pairs else 'methods'})"
 
 
 def run_bench(cfg: BenchConfig, *, model=None, tokenizer=None, console=None, progress: bool = True) -> dict[str, Any]:
@@ -156,10 +166,12 @@ def run_bench(cfg: BenchConfig, *, model=None, tokenizer=None, console=None, pro
 
     results: dict[str, list[PromptResult]] = {r.label: [] for r in runners}
     with _progress(status, progress) as bar:
-        task = bar.add_task("benchmark", total=len(records) * len(runners))
+        task = bar.add_task("benchmark", total=len(records) * len(runners),
+                            unit=_runs_unit(len(records), runners, "prompts"))
         for index, record in enumerate(records):
             for runner in runners:
-                bar.update(task, description=f"{record.category} #{record.question_id} {runner.label}")
+                bar.update(task, description=f"prompt {index + 1}/{len(records)} ({record.category} "
+                                             f"#{record.question_id}): {runner.label}")
                 results[runner.label].append(_conversation(runner, record, prompts, cfg, cfg.seed + 1000 * index))
                 bar.advance(task)
 
@@ -215,7 +227,8 @@ def _run_batch_sweep(cfg, records, prompts, runners, target, forward_s, bandwidt
     pad = target.tokenizer.pad_token_id if target.tokenizer is not None else None
     pad = pad if pad is not None else min(target.eos_token_ids, default=0)
     with _progress(status, progress) as bar:
-        task = bar.add_task("batch sweep", total=len(sizes) * (len(llms) + with_hf))
+        task = bar.add_task("batch sweep", total=len(sizes) * (len(llms) + with_hf),
+                            unit=f"rounds ({len(sizes)} batch sizes x {len(llms) + with_hf} methods)")
         sweep = run_batch_sweep(llms, first_turns, sizes, cfg.max_new_tokens, cfg.temperature, cfg.seed,
                                 hf_model=target.model if with_hf else None, pad_id=pad, eos=target.eos_token_ids,
                                 on_round=lambda label, b: bar.update(task, advance=1, description=f"{label} B={b}"))

@@ -212,7 +212,10 @@ class PagedStep:
         # first `used` of each row are read.
         indices = torch.zeros((self.batch, 1, tiles, num_pool_blocks), dtype=torch.int32, device=tables.device)
         indices[..., :self.max_blocks] = tables.to(torch.int32)[:, None, None, :]
-        return BlockMask.from_kv_blocks(num_blocks, indices, BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=mask_mod,
+        # No block is "full" (mask_mod applies everywhere), said explicitly: torch 2.13's compiled CPU decoding
+        # kernel (one row, long kv) reads the full-block counts whether or not they were given.
+        return BlockMask.from_kv_blocks(num_blocks, indices, torch.zeros_like(num_blocks), torch.zeros_like(indices),
+                                        BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=mask_mod,
                                         seq_lengths=(self.rows, num_pool_blocks * bs), compute_q_blocks=False)
 
 

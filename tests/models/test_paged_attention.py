@@ -16,8 +16,8 @@ import torch
 
 from quickdraft.kv.paged import PagedKVPool, PagedSequence
 from quickdraft.models.base import TreeAttention
-from quickdraft.models.paged_attention import (PagedStep, flex_paged_attention, paged_attention, tree_ancestors,
-                                               write_kv)
+from quickdraft.models.paged_attention import (PagedStep, compiled_flex_attention, flex_paged_attention,
+                                               paged_attention, tree_ancestors, write_kv)
 from quickdraft.models.tree_mask import tree_visibility
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors: see conftest.one_thread
@@ -253,6 +253,29 @@ def test_the_step_reads_no_value_on_the_host():
     flat = step.from_grid(step.to_grid(torch.empty(12, 4, D, device="meta"), cells), cells)
     assert flat.shape == (12, 4, D)
     step.block_mask(10, 3)  # FlexAttention's block mask too
+
+
+@pytest.mark.slow  # compiles FlexAttention (tens of seconds on the CPU)
+def test_compiled_flex_attention_equals_the_gathered_sdpa():
+    """The mask_mod and block mask compile (no graph break, no host read in them): on the CPU's fused kernel the
+    outputs of a mixed step with a tree and a window equal SDPA's over gathered blocks."""
+    batch = _Batch(seed=4)
+    seqs = [batch.pool.new_sequence() for _ in range(3)]
+    for seq, n in zip(seqs, (9, 6, 3)):
+        batch.prompt(seq, _tokens(batch.rng, n))
+    counts, trees = [1, 4, 3], [None, TreeAttention(6, (5, 6, 6, 8)), None]
+    starts = [seq.length for seq in seqs]
+    for seq, count in zip(seqs, counts):
+        batch.pool.append_slots(seq, count)
+    step = PagedStep.pack([s.blocks for s in seqs], starts, counts, trees, 4, 4, 4, 4, BS)
+    q = torch.randn(4, 4, 4, D, generator=batch.gen)
+    caches = batch.pool.layer(0)
+    for window in (None, 3):
+        expected = paged_attention(q, *caches, step.block_tables, step.mask(window, 2), 0.3)
+        got = flex_paged_attention(q, *caches, step.block_mask(batch.pool.num_blocks, window), 0.3,
+                                   compiled_flex_attention())
+        for i, count in enumerate(counts):
+            torch.testing.assert_close(got[i, :count], expected[i, :count], rtol=1e-5, atol=1e-5)
 
 
 def test_pack_refuses_what_does_not_fit():

@@ -22,6 +22,15 @@ One rule (`_visible`) decides visibility for both backends:
 - `flex_paged_attention`: FlexAttention over the pool's slots in place, no gather: a block mask whose kv blocks
   are each sequence's table (kv block = pool block) and a mask_mod mapping a pool slot back to the sequence's
   logical slot. Eager (a dense reference) or compiled (`compiled_flex_attention()`).
+A runner whose linear layers run on the step's rows alone, not the padded grid, maps them by `flat_cells`.
+
+Which backend (benchmarks/paged_attention_cpu.py, 16 sequences, Qwen2.5-1.5B's attention shape, one thread, a
+loaded machine): on the CPU SDPA over gathered blocks, 1.2-3.8x the per-sequence calls at ~256 slots and as fast
+as them within the noise at ~1024 (where its gather costs); compiled FlexAttention was about the per-sequence
+calls, eager FlexAttention (dense over the pool) seconds a call. On CUDA, unmeasured:
+SDPA over gathered blocks first (graph-safe, any SDPA kernel); compiled FlexAttention reads the pool in place,
+where the gather writes and reads every sequence's keys and values once more a layer, so it should win at long
+contexts; gpu_check should time both.
 """
 
 from __future__ import annotations

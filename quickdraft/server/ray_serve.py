@@ -25,7 +25,7 @@ import math
 import os
 import signal
 import sys
-import threading
+import time
 from typing import Any, Callable
 
 from quickdraft.cli_args import with_tree_argument
@@ -308,33 +308,97 @@ def __getattr__(name: str):
 
 
 # --- `quickdraft serve --replicas N` ------------------------------------------------------------------------
-def serve_forever(application, host: str = "127.0.0.1", port: int = 8000, name: str = APP_NAME) -> None:
-    """Run `application` on Ray Serve's HTTP proxy at host:port until SIGTERM or SIGINT. Connects to the Ray
-    cluster at RAY_ADDRESS when set (and then removes only this application on exit), else starts a local one
-    (and shuts it down on exit)."""
+# Ray Serve's controller gives a new proxy RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S (5 s) to answer its ready check and
+# kills it after three misses. On a loaded machine a new worker takes longer than that to start and import Ray Serve,
+# so the proxy was killed before it ran and serve.start failed. A controller started here gives it as long as
+# start_serve waits for it (the environment's value wins).
+PROXY_START_S = 600.0
+_READY_CHECK_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+
+
+def start_serve(host: str = "127.0.0.1", port: int = 8000) -> None:
+    """serve.start with Ray Serve's HTTP proxy on host:port, returning once the proxy is ready, however long a busy
+    machine takes to start it (serve.start's own wait gives up after a fixed 60 s while the controller goes on)."""
     ray, serve = import_serve()
-    local = not os.environ.get("RAY_ADDRESS")
+    from ray.serve.schema import ProxyStatus
+
+    ready_check_s = os.environ.get(_READY_CHECK_ENV) or str(PROXY_START_S)
+    options: dict[str, Any] = {"http_options": {"host": host, "port": port}}
+    if "controller_options" in inspect.signature(serve.start).parameters:  # not in older Rays
+        options["controller_options"] = {"runtime_env": {"env_vars": {_READY_CHECK_ENV: ready_check_s}}}
+    try:
+        serve.start(**options)
+    except (TimeoutError, ray.exceptions.RayActorError):
+        pass  # serve.start's wait is over, or the proxy it waited on was replaced: the controller starts one
+    deadline = time.monotonic() + PROXY_START_S
+    while not all(status == ProxyStatus.HEALTHY for status in serve.status().proxies.values()):
+        if time.monotonic() > deadline:
+            raise QuickdraftError(f"Ray Serve's HTTP proxy on {host}:{port} did not start within {PROXY_START_S:g} s "
+                                  "(see the proxy's log among Ray Serve's logs)")
+        time.sleep(0.5)
+
+
+def _delete_when_drained(serve, name: str) -> None:
+    """serve.delete(name), returning once the application is gone, however long its replicas' drain takes (the
+    controller stops a replica at its graceful_shutdown_timeout_s at the latest; serve.delete's own wait gives up
+    after a fixed 60 s)."""
+    try:
+        serve.delete(name)
+    except TimeoutError:
+        while name in serve.status().applications:
+            time.sleep(0.5)
+
+
+class _Signal(Exception):
+    """SIGTERM or SIGINT, raised in the main thread wherever it is waiting."""
+
+
+def _raise_signal(*_) -> None:
+    raise _Signal
+
+
+def serve_forever(application, host: str = "127.0.0.1", port: int = 8000, name: str = APP_NAME) -> None:
+    """Run `application` on Ray Serve's HTTP proxy at host:port until SIGTERM or SIGINT, then drain: the application
+    is deleted first, which Ray Serve does replica by replica once each one's in-flight requests (a stream to its
+    last chunk) have finished, for at most the deployment's graceful_shutdown_timeout_s (--grace-period); only then
+    is Ray Serve shut down, with the proxy that carries those streams to their clients (shutting it down first cut
+    them). While it drains, new requests get Ray Serve's 404 (the route is gone). A signal while starting drains
+    the replicas that already serve; a second signal stops at once.
+
+    Connects to the Ray cluster at RAY_ADDRESS when set (and then removes only this application on exit), else (or
+    with RAY_ADDRESS=local) starts a local one (and shuts it down on exit)."""
+    ray, serve = import_serve()
+    local = os.environ.get("RAY_ADDRESS") in (None, "", "local")
     if not ray.is_initialized():
         ray.init()
-    serve.start(http_options={"host": host, "port": port})
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # after ray.init, which installs a SIGTERM handler of its own in this process
+    previous = {sig: signal.signal(sig, _raise_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    deleting = False
     try:
-        serve.run(application, name=name, route_prefix="/")
-        print(f"[quickdraft] serving on http://{host}:{port} through Ray Serve (application '{name}'); "
-              "SIGTERM or Ctrl-C stops it", file=sys.stderr)
-        while not stop.wait(0.5):
+        try:
+            start_serve(host, port)
+            serve.run(application, name=name, route_prefix="/")
+            print(f"[quickdraft] serving on http://{host}:{port} through Ray Serve (application '{name}'); "
+                  "SIGTERM or Ctrl-C stops it", file=sys.stderr)
+            while True:
+                time.sleep(3600)
+        except _Signal:
             pass
-        print("[quickdraft] stopping: in-flight requests finish within the grace period", file=sys.stderr)
+        print("[quickdraft] stopping: in-flight requests finish within the grace period (a second signal stops at "
+              "once)", file=sys.stderr)
+        deleting = True
+        _delete_when_drained(serve, name)
+    except _Signal:
+        print("[quickdraft] stopping now", file=sys.stderr)
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if local:
             serve.shutdown()
             ray.shutdown()
-        else:
-            serve.delete(name)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        elif not deleting:
+            _delete_when_drained(serve, name)
 
 
 __all__ = ["OPTIONS", "REPLICA_HEADER", "QuickdraftReplica", "app_settings", "build_app", "deployment_app",
-           "import_serve", "read_options", "replica_deployment", "serve_forever"]
+           "import_serve", "read_options", "replica_deployment", "serve_forever", "start_serve"]

@@ -7,7 +7,6 @@ passed through, the command's checks, and the message when Ray is missing."""
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -20,14 +19,12 @@ from quickdraft import LLM, SamplingParams
 from quickdraft.cli import main
 from quickdraft.errors import QuickdraftError
 from quickdraft.server.ray_serve import REPLICA_HEADER, app_settings, deployment_app
-from tiny_server import TIMEOUT_S, free_port, sse_events, tiny_model, tiny_tokenizer, words
+from tiny_server import (RAY_MISSING, TIMEOUT_S, free_port, needs_ray, sse_events, tiny_model, tiny_tokenizer,
+                         words)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),  # tiny models: see conftest.one_thread
               pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")]  # Ray's own (pydantic v1-style fields)
 
-RAY_MISSING = importlib.util.find_spec("ray") is None
-needs_ray = pytest.mark.skipif(RAY_MISSING, reason="ray is not installed: pip install 'quickdraft[ray]' to run the "
-                                                   "Ray Serve tests")
 PROMPT = words(1, 2, 3, 4, 1, 2, 3, 4, 1)
 MESSAGES = [{"role": "user", "content": words(8, 9, 10, 8, 9)}]
 API_KEY = "ray-key"
@@ -51,7 +48,7 @@ def ray_app(model_dir):
     import ray
     from ray import serve
 
-    from quickdraft.server.ray_serve import build_app
+    from quickdraft.server.ray_serve import build_app, start_serve
 
     application = build_app({"model": str(model_dir), "dtype": "float32", "device": "cpu", "k": "4",
                              "fixed_k": "true", "served_model_name": "tiny", "replicas": "2", "api_key": API_KEY,
@@ -60,7 +57,8 @@ def ray_app(model_dir):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # start_serve waits on the proxy's readiness, which a loaded machine delays past serve.start's own limits
+        start_serve("127.0.0.1", port)
         serve.run(application, name="quickdraft-test", route_prefix="/")
         yield f"http://127.0.0.1:{port}", LLM(str(model_dir), dtype="float32", device="cpu", speculative_config=SPEC)
     finally:

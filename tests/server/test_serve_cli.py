@@ -9,34 +9,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import openai
 import pytest
 
 from quickdraft import LLM, SamplingParams
 from quickdraft.cli import build_parser, main, serve_settings
-from tiny_server import TIMEOUT_S, free_port, tiny_model, tiny_tokenizer, words
+from tiny_server import TIMEOUT_S, free_port, tiny_model, tiny_tokenizer, wait_serving, words
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
 
 PROMPT = words(1, 2, 3, 4, 1, 2, 3, 4, 1)
 MESSAGES = [{"role": "user", "content": words(8, 9, 10, 8, 9)}]
 API_KEY = "test-key"
-
-
-def wait_healthy(base: str, process: subprocess.Popen, log_path) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"the server exited early:\n{log_path.read_text()}"
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"the server did not become healthy:\n{log_path.read_text()}")
 
 
 def test_serve_subprocess_with_the_openai_client(tmp_path):
@@ -60,7 +45,7 @@ def test_serve_subprocess_with_the_openai_client(tmp_path):
     with open(log_path, "w") as log:  # a file, not a pipe: a full pipe would block the server
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        wait_healthy(base, process, log_path)
+        wait_serving(base, process, log_path)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=TIMEOUT_S)
         assert [m.id for m in client.models.list()] == ["tiny"]
 

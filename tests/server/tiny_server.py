@@ -4,13 +4,19 @@ uvicorn server on a free loopback port in a thread, and an SSE reader. (Not a co
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import socket
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
+
+import httpx
+import pytest
 
 from conftest import tiny_llama
 from quickdraft import LLM
@@ -22,6 +28,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {%
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 MODEL_NAME = "tiny"
 TIMEOUT_S = 120  # generous: the machine is small and shared
+RAY_MISSING = importlib.util.find_spec("ray") is None
+needs_ray = pytest.mark.skipif(RAY_MISSING, reason="ray is not installed: pip install 'quickdraft[ray]' to run the "
+                                                   "Ray Serve tests")
 
 
 def tiny_tokenizer():
@@ -69,6 +78,23 @@ def wait_until(condition, timeout_s: float = TIMEOUT_S, what: str = "condition")
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def wait_serving(base: str, process: subprocess.Popen, log_path: Path, announcement: str | None = None,
+                 timeout_s: float = TIMEOUT_S) -> None:
+    """Until the server `process` (its output in log_path) has printed `announcement` (when given) and answers
+    /health with 200; fails with its log if it exits first, or after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the server exited early:\n{log_path.read_text()}"
+        if announcement is None or announcement in log_path.read_text():
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+        time.sleep(0.2)
+    raise AssertionError(f"the server did not start serving within {timeout_s} s:\n{log_path.read_text()}")
 
 
 class ErrorRecords(logging.Handler):

@@ -2,7 +2,10 @@
 
 The transformers path (loader.load) dequantizes every tensor into a float32 model before the runner packs the
 file's blocks again: loading the 1.04 GiB Qwen2.5-Coder-1.5B file peaked at 9.0 GB resident. Here:
-- the transformers config comes from the file's metadata, and the model skeleton is built on the meta device
+- the transformers config comes from the file's metadata, read by transformers' quick reader (a memory-mapped
+  walk over the header) and mapped as transformers' legacy reader maps it (fast_gguf_config: that reader,
+  gguf.GGUFReader, makes a numpy object of every vocabulary entry, 20-75 s for the packaged models on a busy
+  2-core machine, and the config and the tokenizer each ran it); the model skeleton is built on the meta device
   (buffers such as the rotary tables real, computed from the config as transformers computes them);
 - the small dense tensors (norms, biases, and any matrix of a type without a quantized kernel) are
   dequantized from the file, through transformers' own tensor processor (Gemma's norm offset, Llama's q/k row
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from quickdraft import progress
 from quickdraft.kernels import quant
 from quickdraft.kernels.quant import QuantizedWeight
 from quickdraft.models import gguf_weights
@@ -49,7 +53,58 @@ def read_config(path: Path):
     """The transformers config of the GGUF file at `path` (from its metadata, as from_pretrained reads it)."""
     from transformers import AutoConfig
 
+    fast_gguf_config()
     return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+# GGUF architectures (those of quickdraft's native runners) whose transformers config config_from_metadata builds.
+FAST_CONFIG_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+def fast_gguf_config() -> None:
+    """Have transformers build the config of a GGUF file of FAST_CONFIG_ARCHITECTURES from its quick metadata
+    reader (config_from_metadata), as it does for the architectures it lists in GGUF_CONFIG_ARCHS itself, instead
+    of running gguf.GGUFReader over the whole header. AutoConfig and AutoTokenizer (which reads the config to pick
+    the tokenizer's class) both consult that table; an architecture transformers builds its own way is left to
+    it. The config is the same dict (tests/models/test_gguf_loader.py)."""
+    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+
+    for architecture in FAST_CONFIG_ARCHITECTURES:
+        GGUF_CONFIG_ARCHS.setdefault(architecture, config_from_metadata)
+
+
+def config_from_metadata(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
+    """The config dict transformers' legacy GGUF reader (modeling_gguf_pytorch_utils.load_gguf_checkpoint) makes
+    for a file of FAST_CONFIG_ARCHITECTURES, from its quick reader's metadata (transformers.integrations.gguf
+    .read_gguf_metadata: numbers and strings as they are, arrays of numbers as lists, arrays of strings as their
+    length): the same mapping (GGUF_CONFIG_MAPPING), defaults and renames, without the legacy reader's branches
+    for other architectures."""
+    from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    architecture = metadata["general.architecture"]
+    if architecture not in FAST_CONFIG_ARCHITECTURES:
+        raise ValueError(f"quickdraft builds no config for GGUF architecture {architecture!r}")
+    # transformers asks whether "mistral" is among general.name's values: a file named exactly "mistral"
+    renamed = "mistral" if "llama" in architecture and metadata.get("general.name") == "mistral" else architecture
+    config: dict = {"tie_word_embeddings": "output.weight" not in tensor_names}
+    defaults = GGUF_CONFIG_DEFAULTS_MAPPING.get(renamed, GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture) or {})
+    for key, value in defaults.items():
+        config.setdefault(key, value)
+    for key, value in metadata.items():
+        prefix, _, name = key.replace(architecture, renamed).partition(".")
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]  # the legacy reader gives a one-element array as its element
+        if isinstance(value, str) and architecture in value:
+            value = value.replace(architecture, renamed)
+        target = GGUF_CONFIG_MAPPING.get(prefix, {}).get(name, -1)
+        if target not in (None, -1):
+            config[target] = value
+    if config["model_type"] == "gemma3":
+        config["model_type"] = "gemma3_text"  # the file holds the text model only
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if "vocab_size" not in config and tokens is not None:
+        config["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
+    return config
 
 
 def skeleton(config, dtype: torch.dtype) -> nn.Module:
@@ -214,17 +269,13 @@ def fill(model: nn.Module, path: Path, packed: QuantizedWeights | None = None) -
         weights = QuantizedWeights(str(path)) if packed is None else packed
         names = {t.name for t in file.tensors}
         weights.tied = "output.weight" not in names
-        for tensor in file.tensors:
-            name = tensor.name
-            if name not in hf_names:
-                continue  # what transformers' loader skips too (e.g. rope_freqs)
-            if _packs(name, int(tensor.tensor_type)):
-                if packed is None:
-                    _store(weights, name, _pack_streamed(file, tensor, row_orders, name))
-                continue
-            if _packable_role(name):
-                weights.skipped[name] = tensor.tensor_type.name
-            _set_parameter(model, hf_names[name], _dense(file, tensor, processor, name))
+        step = (f"reading {path.name}: packing its tensors for the kernels (once; kept in the cache)"
+                if packed is None else f"reading {path.name}")
+        with progress.task(step, total=len(file.tensors),
+                           done=f"packed {path.name}'s tensors" if packed is None else None) as advance:
+            for tensor in file.tensors:
+                _read_tensor(model, file, tensor, hf_names, processor, row_orders, weights, packed)
+                advance()
     finally:
         file.close()
     _tie(model)
@@ -232,6 +283,21 @@ def fill(model: nn.Module, path: Path, packed: QuantizedWeights | None = None) -
     if missing:
         raise ValueError(f"{path}: no tensor in the file for {', '.join(missing[:5])}")
     return weights
+
+
+def _read_tensor(model: nn.Module, file: _File, tensor: TensorInfo, hf_names: dict, processor, row_orders,
+                 weights: QuantizedWeights, packed: QuantizedWeights | None) -> None:
+    """One tensor of the file: packed into `weights` (unless `packed` holds it already) or put into `model`."""
+    name = tensor.name
+    if name not in hf_names:
+        return  # what transformers' loader skips too (e.g. rope_freqs)
+    if _packs(name, int(tensor.tensor_type)):
+        if packed is None:
+            _store(weights, name, _pack_streamed(file, tensor, row_orders, name))
+        return
+    if _packable_role(name):
+        weights.skipped[name] = tensor.tensor_type.name
+    _set_parameter(model, hf_names[name], _dense(file, tensor, processor, name))
 
 
 def _packable_role(name: str) -> bool:

@@ -2,13 +2,16 @@
 
 Where a model string points (aliases, part packages and their hashes, files, hub ids) is models/sources.py.
 
-GGUF files are dequantised by transformers at load (tens of seconds on a small CPU). The converted model is
-kept in a local conversion cache (safetensors) keyed by the file's path, size and mtime, so the second load
-of the same file takes about a second. Set QUICKDRAFT_NO_CONVERSION_CACHE=1 to always convert.
+Where the native runner keeps a GGUF file's blocks (load_for_runner), the model is read straight from the file
+(models/gguf_loader.py). Elsewhere GGUF files are dequantised by transformers at load (tens of seconds on a small
+CPU). Either way what was made is kept in a local conversion cache (safetensors) keyed by the file's path, size
+and mtime, so the second load of the same file takes about a second. Set QUICKDRAFT_NO_CONVERSION_CACHE=1 to
+always convert. The long first steps show their progress (quickdraft/progress.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -18,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from quickdraft import progress
 from quickdraft.errors import ModelNotFoundError, QuickdraftError
 from quickdraft.kernels import cpu_has_bf16
 from quickdraft.models import huge_pages
@@ -82,6 +86,10 @@ def _conversion_dir(source: ModelSource) -> Path | None:
 def _load_tokenizer(path, gguf_file: str | None, trust_remote_code: bool, local_files_only: bool = False):
     from transformers import AutoTokenizer
 
+    if gguf_file is not None:
+        from quickdraft.models.gguf_loader import fast_gguf_config
+
+        fast_gguf_config()  # AutoTokenizer reads the file's config first, to pick the tokenizer's class
     try:
         return AutoTokenizer.from_pretrained(path, gguf_file=gguf_file, trust_remote_code=trust_remote_code,
                                              local_files_only=local_files_only)
@@ -128,7 +136,17 @@ def load(source: ModelSource, dtype: torch.dtype, device: torch.device, trust_re
         else:
             # The conversion cache holds the exact dequantised weights (float32), whatever dtype asked first.
             load_kwargs = {**kwargs, "dtype": torch.float32} if converted is not None else kwargs
-            model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, **load_kwargs)
+            converting = contextlib.nullcontext()
+            if source.gguf_file is not None:
+                from quickdraft.models.gguf_loader import fast_gguf_config
+
+                fast_gguf_config()
+                kept = "once; kept in the cache" if converted is not None else "QUICKDRAFT_NO_CONVERSION_CACHE is set"
+                converting = progress.task(f"converting {source.gguf_file} with transformers (dequantizing every "
+                                           f"tensor; {kept})", done=f"converted {source.gguf_file}")
+            with converting:
+                model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
+                                                             **load_kwargs)
             tokenizer = _load_tokenizer(source.path, source.gguf_file, trust_remote_code, offline)
             if converted is not None:
                 _save_conversion(model, tokenizer, converted)

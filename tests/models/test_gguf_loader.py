@@ -104,6 +104,35 @@ def test_header_parser_matches_gguf_reader(tiny_gguf):
     assert [(t.name, t.tensor_type, t.shape, t.data_offset, t.n_bytes) for t in parsed.tensors] == expected
 
 
+def _without_fast_config(monkeypatch) -> None:
+    """transformers' own GGUF config reading (its legacy reader for these architectures), for this test."""
+    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+
+    for architecture in gguf_loader.FAST_CONFIG_ARCHITECTURES:
+        if GGUF_CONFIG_ARCHS.get(architecture) is gguf_loader.config_from_metadata:
+            monkeypatch.delitem(GGUF_CONFIG_ARCHS, architecture)
+
+
+def test_the_config_from_metadata_is_transformers_legacy_config(tiny_gguf, monkeypatch):
+    """Issue 47: a 1.5B file's first load read its header twice with gguf.GGUFReader (in transformers' config
+    and tokenizer readers, 31 s). The config now comes from transformers' quick reader's metadata, mapped as the
+    legacy reader maps it: the same dict, and AutoConfig gets it without running gguf.GGUFReader at all."""
+    from transformers import AutoConfig
+    from transformers.integrations.gguf import read_gguf_metadata
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    _without_fast_config(monkeypatch)
+    legacy = load_gguf_checkpoint(str(tiny_gguf))["config"]
+    assert gguf_loader.config_from_metadata(*read_gguf_metadata(str(tiny_gguf))) == legacy
+    expected = AutoConfig.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name).to_dict()
+
+    def no_reader(*args, **kwargs):
+        raise AssertionError("gguf.GGUFReader ran")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_reader)
+    assert gguf_loader.read_config(tiny_gguf).to_dict() == expected
+
+
 def test_header_parser_refuses_other_files(tmp_path):
     path = tmp_path / "not.gguf"
     path.write_bytes(b"GGML" + bytes(40))
@@ -284,6 +313,28 @@ def test_packaged_models_load_directly_as_through_transformers(alias, tmp_path, 
         logits = [r.forward(c, t) for r, c, t in zip(runners, caches, tokens)]
         assert torch.equal(logits[0], logits[1])
         tokens = [logits[0].argmax(-1)] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m"])
+def test_packaged_models_config_and_tokenizer_are_transformers_own(alias, monkeypatch):
+    """The config and tokenizer quickdraft reads from a packaged GGUF file (one quick pass over its header, no
+    gguf.GGUFReader) are those transformers' readers give: the same config dict, tokenizer class, vocabulary,
+    special tokens, chat template and token ids."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    source = loader.resolve(alias)
+    config = gguf_loader.read_config(source.gguf_path)
+    tokenizer = loader._load_tokenizer(source.path, source.gguf_file, False)
+    _without_fast_config(monkeypatch)  # transformers' readers from here on
+    assert config.to_dict() == AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file).to_dict()
+    reference = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    assert type(tokenizer) is type(reference) and tokenizer.get_vocab() == reference.get_vocab()
+    assert tokenizer.special_tokens_map == reference.special_tokens_map
+    assert tokenizer.chat_template == reference.chat_template
+    assert tokenizer.backend_tokenizer.to_str() == reference.backend_tokenizer.to_str()
+    for text in ("def fibonacci(n):\n    ", "Speculative decodng lets a smal draft model propose tokens.", "héllo 🙂"):
+        assert tokenizer(text)["input_ids"] == reference(text)["input_ids"]
 
 
 @pytest.mark.slow

@@ -1,19 +1,26 @@
-"""Command line: `quickdraft generate`, `quickdraft serve`, `quickdraft batch`, `quickdraft check`, `quickdraft tune`
-(and `quickdraft bench`). A thin adapter
-over the Python API."""
+"""Command line: `quickdraft generate`, `quickdraft serve`, `quickdraft batch`, `quickdraft check`, `quickdraft tune`,
+`quickdraft distill` (and `quickdraft bench`). A thin adapter over the Python API.
+
+Building the parser imports no torch, so that `--help` answers at once: this module imports the API inside the
+commands' functions, and the commands whose modules import torch (tune, distill, bench) get their arguments only
+when they are used (LAZY_COMMANDS)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
+import socket
 import statistics
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from quickdraft.cli_args import add_sampling_filter_arguments, add_tree_argument, with_tree_argument
+from quickdraft.cli_args import (CommandParser, add_draft_argument, add_progress_argument, add_sampling_filter_arguments,
+                                 add_tree_argument, checked_speculative_config)
 from quickdraft.errors import QuickdraftError
 
 if TYPE_CHECKING:
@@ -26,27 +33,18 @@ def add_speculative_config_argument(p) -> None:
                         "replaces --draft, --k and --fixed-k")
 
 
-def add_draft_argument(p, default: str = "ngram") -> None:
-    """--draft, its help string from the draft registry (every method's own spelling)."""
-    from quickdraft.drafts import draft_help
-
-    p.add_argument("--draft", default=default, help=draft_help(default))
-
-
 def speculative_spec(args: argparse.Namespace) -> dict[str, Any]:
-    """The speculative_config the command line asks for: --speculative-config, else --draft, --k and --fixed-k;
-    --tree on top of either; checked before any model loads."""
-    from quickdraft.drafts import SpeculativeConfig, parse_draft, read_config
+    """The speculative_config the command line asks for (cli_args.checked_speculative_config), checked before
+    any model loads."""
+    return checked_speculative_config(args.draft, args.k, adaptive=not args.fixed_k, tree=args.tree,
+                                      config=args.speculative_config)
 
-    if getattr(args, "speculative_config", None):
-        spec = read_config(args.speculative_config)
-    else:
-        spec = parse_draft(args.draft, args.k)
-        if args.fixed_k and spec["method"] != "none":
-            spec["adaptive"] = False
-    spec = with_tree_argument(spec, args.tree)
-    SpeculativeConfig.from_dict(dict(spec))  # its errors now, not after loading the model
-    return spec
+
+def loading(model: str):
+    """The progress line of a model's load (kernel build and file conversion show their own under it)."""
+    from quickdraft import progress
+
+    return progress.task(f"loading {model}")
 
 
 def add_generate_parser(sub) -> None:
@@ -55,18 +53,20 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
     add_draft_argument(p)
     p.add_argument("--k", type=int, default=5, help="speculative tokens per step (default 5)")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     add_sampling_filter_arguments(p)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of a sampled request (default: none, each run draws anew); seeded text is the same "
+                        "with and without speculation")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and metrics")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: a GGUF model keeps its quantized weights on CPUs with AVX512-BF16 (bf16 activations); "
                         "bf16 elsewhere on CPU and CUDA. A named dtype widens every weight to it")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run")
     p.add_argument("--runner", default="auto", choices=["auto", "native", "hf"],
                    help="auto: quickdraft's native decoder where the architecture has one, else transformers")
     p.add_argument("--fixed-k", action="store_true", help="always propose K tokens (default: adaptive K up to K)")
@@ -74,9 +74,12 @@ def add_generate_parser(sub) -> None:
     add_tree_argument(p)
     p.add_argument("--compare", action="store_true",
                    help="also decode without speculation (same model, same parameters): both modes warmed up, "
-                        "then --compare-rounds interleaved rounds; prints the median speedup, its spread, and "
-                        "whether the texts are identical")
-    p.add_argument("--compare-rounds", type=int, default=3, help="rounds of --compare (default 3)")
+                        "then interleaved rounds, each decoding the prompt with and without speculation, until each "
+                        f"mode has decoded {COMPARE_MIN_TOKENS} tokens; prints both speeds, the median speedup and "
+                        "its spread, and whether the texts are identical")
+    p.add_argument("--compare-rounds", type=int, default=3,
+                   help=f"rounds of --compare at least (default 3; at most {COMPARE_MAX_ROUNDS} are run)")
+    add_progress_argument(p)
     p.set_defaults(func=run_generate)
 
 
@@ -89,7 +92,7 @@ def add_serve_parser(sub) -> None:
     add_speculative_config_argument(p)
     add_tree_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $QUICKDRAFT_API_KEY, else no key)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
@@ -108,7 +111,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--runner", default="auto", choices=["auto", "native", "hf"])
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="keep KV blocks by token prefix for later requests (multi-turn chat); default: on where "
                         "reuse is exact (bf16 on quickdraft's CPU kernels)")
@@ -119,6 +123,7 @@ def add_serve_parser(sub) -> None:
                    help="serve on Ray Serve with this autoscaling_config, passed through, e.g. "
                         "'{\"min_replicas\": 1, \"max_replicas\": 4, \"target_ongoing_requests\": 32}'; "
                         "with --replicas N, N is its initial_replicas")
+    add_progress_argument(p)
     p.set_defaults(func=run_serve)
 
 
@@ -157,6 +162,7 @@ def add_batch_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=None,
                    help="with --ray: records per batch sent to an actor (default: spread evenly over the actors, at "
                         "most 4 x --max-num-seqs)")
+    add_progress_argument(p)
     p.set_defaults(func=run_batch)
 
 
@@ -238,11 +244,44 @@ def run_serve(args: argparse.Namespace) -> int:
         application = deployment_app(llm_kwargs, config, log_level=args.log_level, **scale_out)
         serve_forever(application, args.host, args.port)
         return 0
+    check_port(args.host, args.port)
     quiet_transformers()
     model = llm_kwargs.pop("model")
-    llm = LLM(model, **llm_kwargs)
+    with loading(model):
+        llm = LLM(model, **llm_kwargs)
+    threading.Thread(target=say_when_ready, args=(args.host, args.port, model), daemon=True).start()
     run_server(llm, config, args.host, args.port, args.log_level)
     return 0
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse at once, not after the model's load, an address the server could not listen on (taken by another
+    server, or not this machine's); binds as uvicorn does (SO_REUSEADDR) and lets go."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise QuickdraftError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port "
+                                  "or --host, or stop what uses it") from None
+
+
+def say_when_ready(host: str, port: int, model: str, poll_s: float = 0.1) -> None:
+    """Print "ready on http://HOST:PORT" once the server accepts connections (check_port saw the port free
+    before the load; port 0: the system's choice, unknown here, and nothing is printed)."""
+    if port == 0:
+        return
+    address = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=1.0).close()
+            break
+        except OSError:
+            time.sleep(poll_s)
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    print(f"[quickdraft] ready on {url} (model {model}; OpenAI API under /v1; Ctrl-C stops)", file=sys.stderr,
+          flush=True)
 
 
 def batch_settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -281,15 +320,20 @@ def run_batch(args: argparse.Namespace) -> int:
     if args.ray:
         results, workers = offline.run_ray(records, llm_kwargs, replicas=args.replicas or 1, batch_size=args.batch_size)
     else:
-        results = offline.run_local(offline.load_llm(llm_kwargs), records)
+        with loading(llm_kwargs["model"]):
+            llm = offline.load_llm(llm_kwargs)
+        results = offline.run_local(llm, records)
     offline.write_results(output, results)
     print(offline.summary_line(results, time.perf_counter() - start, str(output), workers), file=sys.stderr)
     return 0
 
 
-def summary_line(metrics, method: str, k: int) -> str:
-    parts = [f"{metrics.num_generated_tokens} tokens in {metrics.wall_time_s:.2f} s",
-             f"{metrics.tokens_per_s or 0:.1f} tok/s", f"draft {method}" + (f" K<={k}" if method != "none" else "")]
+def summary_line(metrics, method: str, k: int, speed: bool = True) -> str:
+    """One run's figures; speed=False leaves out its time and tok/s (--compare's line gives the speeds)."""
+    parts = [f"{metrics.num_generated_tokens} tokens" + (f" in {metrics.wall_time_s:.2f} s" if speed else "")]
+    if speed:
+        parts.append(f"{metrics.tokens_per_s or 0:.1f} tok/s")
+    parts.append(f"draft {method}" + (f" K<={k}" if method != "none" else ""))
     if metrics.acceptance_rate is not None:
         parts.append(f"accepted {metrics.accepted_tokens}/{metrics.proposed_tokens} drafts "
                      f"({metrics.acceptance_rate:.1%}) in {metrics.num_drafts} drafting steps")
@@ -313,18 +357,17 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     if not args.prompt.strip():
         raise QuickdraftError("the prompt is empty; give some text to continue")
-    spec = speculative_spec(args)
-    quiet_transformers()
-    llm = LLM(args.model or DEFAULT_MODEL, speculative_config=spec, dtype=args.dtype, device=args.device,
-              trust_remote_code=args.trust_remote_code, runner=args.runner)
-    prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     if args.compare and not (isinstance(args.compare_rounds, int) and args.compare_rounds >= 1):
         raise QuickdraftError(f"--compare-rounds must be an integer >= 1, got {args.compare_rounds!r}")
+    spec = speculative_spec(args)
+    quiet_transformers()
+    model = args.model or DEFAULT_MODEL
+    with loading(model):
+        llm = LLM(model, speculative_config=spec, dtype=args.dtype, device=args.device,
+                  trust_remote_code=args.trust_remote_code, runner=args.runner)
+    prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     rounds = compare_rounds(llm, prompt, params, args.compare_rounds, echo=not args.json) if args.compare else None
-    if rounds is None:
-        out = _streamed(llm, prompt, params, echo=not args.json)
-    else:
-        out = rounds.spec[0]
+    out = _streamed(llm, prompt, params, echo=not args.json) if rounds is None else rounds.spec[0]
     completion = out.outputs[0]
     method, k = llm.speculative_config.method, llm.speculative_config.effective_k
     if args.json:
@@ -335,7 +378,8 @@ def run_generate(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         sys.stdout.write("\n")
-        print(summary_line(out.metrics, method, k), file=sys.stderr)
+        # With --compare this line gives the streamed run's drafting, and the next one every speed
+        print(summary_line(out.metrics, method, k, speed=rounds is None), file=sys.stderr)
         if rounds is not None:
             print(rounds.line(params), file=sys.stderr)
     return 0
@@ -349,6 +393,12 @@ def _streamed(llm, prompt, params, echo: bool):
             sys.stdout.write(delta)
             sys.stdout.flush()
     return stream.output
+
+
+# --compare decodes the prompt in rounds until each mode has decoded this many tokens (a short answer's one
+# round is a fraction of a second, whose speed a busy machine decides), within --compare-rounds and the cap.
+COMPARE_MIN_TOKENS = 256
+COMPARE_MAX_ROUNDS = 16
 
 
 class CompareRounds:
@@ -383,29 +433,38 @@ class CompareRounds:
                 "speedup_min": min(speedups, default=None), "speedup_max": max(speedups, default=None),
                 "round_speedups": self.speedups, "plain_tokens_per_s": self.tok_s(self.plain),
                 "spec_tokens_per_s": self.tok_s(self.spec), "identical": self.identical,
+                "tokens_per_mode": sum(out.metrics.num_generated_tokens for out in self.spec),
                 "plain_metrics": self.plain[0].metrics.to_dict()}
 
     def line(self, params) -> str:
+        """Both modes' speeds (medians over the rounds), the speedup (the median of the rounds' ratios) said as
+        what it is, a gain or a loss, and whether the texts are identical."""
         data = self.to_dict()
         same = "identical" if data["identical"] else "different"
         if not data["identical"] and not params.greedy and params.seed is None:
             same += " (sampled without --seed: each run draws anew; add --seed to compare texts)"
         elif not data["identical"] and params.greedy:
             same += " (greedy: a near-tie that rounds differently, or a bug; please report it)"
-        speed = ""
-        if data["speedup"] is not None:
+        measured = (f"{data['rounds']} interleaved rounds after a warm-up of each mode, "
+                    f"{data['tokens_per_mode']} tokens a mode")
+        speedup = data["speedup"]
+        if speedup is None:
+            verdict = "speedup not measured"
+        else:
             spread = (f"; rounds {data['speedup_min']:.2f}-{data['speedup_max']:.2f}x" if data["rounds"] > 1
                       else "; 1 round: no spread measured")
-            speed = f" ({data['speedup']:.2f}x, median of {data['rounds']} interleaved rounds{spread})"
-        return (f"[quickdraft] without speculation: {self.plain[0].metrics.num_generated_tokens} tokens, "
-                f"{data['plain_tokens_per_s'] or 0:.1f} tok/s | with: {data['spec_tokens_per_s'] or 0:.1f} tok/s"
-                + speed + f" | texts {same}")
+            verdict = (f"speculation {speedup:.2f}x as fast" if speedup >= 1 else
+                       f"speculation SLOWER here: {speedup:.2f}x the plain speed") + \
+                f" (median of the rounds' ratios{spread})"
+        return (f"[quickdraft] --compare, {measured}: without speculation {data['plain_tokens_per_s'] or 0:.1f} "
+                f"tok/s, with {data['spec_tokens_per_s'] or 0:.1f} tok/s (medians) | {verdict} | texts {same}")
 
 
 def compare_rounds(llm, prompt, params, rounds: int, echo: bool) -> CompareRounds:
     """Warm both modes (first-call allocations, and the step costs adaptive K measures while running: a cold
-    first speculative run priced drafting wrongly and turned it off), then `rounds` rounds, the order of the
-    two modes alternating by round (the machine's speed drifts); the first speculative run streams its text."""
+    first speculative run priced drafting wrongly and turned it off), then rounds, the order of the two modes
+    alternating by round (the machine's speed drifts): at least `rounds`, and more until each mode has decoded
+    COMPARE_MIN_TOKENS tokens (at most COMPARE_MAX_ROUNDS). The first speculative run streams its text."""
     from quickdraft import SamplingParams
 
     plain_llm = llm.with_speculative_config({"method": "none"})
@@ -413,7 +472,8 @@ def compare_rounds(llm, prompt, params, rounds: int, echo: bool) -> CompareRound
     for each in (plain_llm, llm):
         each.generate(prompt, warm)
     result = CompareRounds()
-    for index in range(rounds):
+    index = 0
+    while index < COMPARE_MAX_ROUNDS and (index < rounds or _decoded(result.spec) < COMPARE_MIN_TOKENS):
         order = ("plain", "spec") if index % 2 == 0 else ("spec", "plain")
         for mode in order:
             if mode == "plain":
@@ -422,36 +482,71 @@ def compare_rounds(llm, prompt, params, rounds: int, echo: bool) -> CompareRound
                 result.spec.append(_streamed(llm, prompt, params, echo))
             else:
                 result.spec.append(llm.generate(prompt, params)[0])
+        index += 1
     return result
+
+
+def _decoded(outputs: list[Any]) -> int:
+    return sum(out.metrics.num_generated_tokens for out in outputs)
 
 
 def _speedup(spec, plain) -> float | None:
     return spec.tokens_per_s / plain.tokens_per_s if spec.tokens_per_s and plain.tokens_per_s else None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="quickdraft", description="Lossless speculative decoding.")
+# Commands whose modules import torch (tune, distill) or the draft registry (bench's --methods help) as their parsers
+# are built: their one-line help here, their arguments added by the module's function when the command is used.
+LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {  # name: (help, module, function adding the parser)
+    "tune": ("measure drafts and K on your prompts and write the best speculative_config", "quickdraft.tools.tune",
+             "add_parser"),
+    "distill": ("train an EAGLE draft head for a model by self-distillation (then: --draft eagle:HEAD_DIR)",
+                "quickdraft.tools.distill", "add_parser"),
+    "bench": ("benchmark draft methods and baselines on a Spec-Bench dataset", "quickdraft.bench.cli",
+              "add_bench_parser"),
+}
+
+
+class _OneParser:
+    """What a command's add_parser(sub) calls sub.add_parser(name, ...) on: gives back the parser registered for
+    the command already (its one-line help from LAZY_COMMANDS), with the description asked for."""
+
+    def __init__(self, parser: CommandParser) -> None:
+        self.parser = parser
+
+    def add_parser(self, name: str, help: str | None = None, description: str | None = None) -> CommandParser:
+        self.parser.description = description or help
+        return self.parser
+
+
+def _add_lazy_command(module: str, function: str, parser: CommandParser) -> None:
+    getattr(importlib.import_module(module), function)(_OneParser(parser))
+    add_progress_argument(parser)
+
+
+def build_parser(lazy: bool = True) -> argparse.ArgumentParser:
+    """quickdraft's parser. lazy=False adds every command's arguments at once (LAZY_COMMANDS' too, importing
+    torch), for code that reads them."""
+    from quickdraft.tools.check.cli import add_parser as add_check_parser
+
+    parser = CommandParser(prog="quickdraft", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     add_serve_parser(sub)
     add_batch_parser(sub)
-    from quickdraft.tools import check, distill, tune
-
-    check.add_parser(sub)
-    tune.add_parser(sub)
-    distill.add_parser(sub)
-    try:
-        from quickdraft.bench.cli import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(sub)
+    add_check_parser(sub)
+    for name, (summary, module, function) in LAZY_COMMANDS.items():
+        command = sub.add_parser(name, help=summary, description=summary)
+        command.build = lambda parser, module=module, function=function: _add_lazy_command(module, function, parser)
+        if not lazy:
+            command.built()
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    from quickdraft import progress
+
+    args = build_parser().parse_args(argv)
+    progress.set_shown(getattr(args, "progress", None))
     try:
         return args.func(args)
     except QuickdraftError as exc:

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from quickdraft.errors import QuickdraftError
+
 
 def _cli(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "quickdraft.cli", *args], capture_output=True, text=True,
@@ -56,9 +58,11 @@ def test_generate_json_and_summary():
     data = json.loads(result.stdout)
     assert len(data["token_ids"]) == data["metrics"]["num_generated_tokens"] <= 12
     assert data["text"] and 0 <= data["metrics"]["acceptance_rate"] <= 1
-    result = _cli("generate", "Say hello.", "--chat", "--max-tokens", "8", "--draft", "none")
+    assert "loading smollm2-135m" not in result.stderr  # no terminal: no progress (issue 47)
+    result = _cli("generate", "Say hello.", "--chat", "--max-tokens", "8", "--draft", "none", "--progress")
     assert result.returncode == 0 and result.stdout.strip()
     assert "[quickdraft]" in result.stderr and "tok/s" in result.stderr
+    assert "loading smollm2-135m" in result.stderr  # asked for: drawn though stderr is a pipe
 
 
 @pytest.mark.slow
@@ -113,13 +117,53 @@ def test_compare_warms_both_modes_then_interleaves_rounds_and_reports_the_median
     params = SamplingParams(temperature=0, max_tokens=40)
     rounds = compare_rounds(llm, prompt, params, 3, echo=False)
     assert calls[:2] == [("plain", 32), ("spec", 32)]  # the warm-ups
-    assert [mode for mode, _ in calls[2:]] == ["plain", "spec", "spec", "plain", "plain", "spec"]
+    # Issue 47: 3 rounds of 40 tokens would be 120 tokens a mode; rounds go on until each mode has decoded 256
+    assert len(calls) == 2 + 2 * 7 and [mode for mode, _ in calls[2:8]] == ["plain", "spec", "spec", "plain",
+                                                                           "plain", "spec"]
     data = rounds.to_dict()
-    assert data["rounds"] == 3 and data["identical"]
+    assert data["rounds"] == 7 and data["tokens_per_mode"] == 280 and data["identical"]
     ratios = sorted(data["round_speedups"])
-    assert data["speedup"] == ratios[1] and data["speedup_min"] == ratios[0] and data["speedup_max"] == ratios[2]
+    assert data["speedup"] == ratios[3] and data["speedup_min"] == ratios[0] and data["speedup_max"] == ratios[6]
     line = rounds.line(params)
-    assert "median of 3 interleaved rounds; rounds" in line and "texts identical" in line
+    assert "7 interleaved rounds after a warm-up of each mode, 280 tokens a mode" in line and "texts identical" in line
+    assert f"with {data['spec_tokens_per_s']:.1f} tok/s (medians)" in line
+
+
+def _fake_output(tokens: int, tok_s: float):
+    from types import SimpleNamespace
+
+    metrics = SimpleNamespace(tokens_per_s=tok_s, num_generated_tokens=tokens, to_dict=lambda: {})
+    return SimpleNamespace(metrics=metrics, outputs=[SimpleNamespace(token_ids=[1] * tokens)])
+
+
+def test_compare_says_so_when_speculation_loses():
+    """Issue 47: the comparison stays honest: a median ratio below 1 is a slowdown, in words."""
+    from quickdraft import SamplingParams
+    from quickdraft.cli import CompareRounds
+
+    rounds = CompareRounds()
+    for plain, spec in ((100.0, 90.0), (100.0, 95.0), (100.0, 80.0)):
+        rounds.plain.append(_fake_output(32, plain))
+        rounds.spec.append(_fake_output(32, spec))
+    line = rounds.line(SamplingParams(temperature=0))
+    assert "speculation SLOWER here: 0.90x the plain speed" in line and "rounds 0.80-0.95x" in line
+    assert "without speculation 100.0 tok/s, with 90.0 tok/s (medians)" in line
+    rounds.spec = [_fake_output(32, 150.0) for _ in range(3)]
+    assert "speculation 1.50x as fast" in rounds.line(SamplingParams(temperature=0))
+
+
+def test_with_compare_the_summary_line_leaves_the_speeds_to_the_comparison():
+    """Issue 47: the first line said 113.8 tok/s (one cold run), the comparison 39.3 (the median): now only the
+    comparison gives speeds, one measurement."""
+    from types import SimpleNamespace
+
+    from quickdraft.cli import summary_line
+
+    metrics = SimpleNamespace(num_generated_tokens=32, wall_time_s=0.5, tokens_per_s=64.0, acceptance_rate=None,
+                              target_forwards=20, tokens_per_target_forward=1.6, lossy=False)
+    assert "tok/s" in summary_line(metrics, "ngram", 5) and "0.50 s" in summary_line(metrics, "ngram", 5)
+    line = summary_line(metrics, "ngram", 5, speed=False)
+    assert "tok/s" not in line and " s |" not in line and line.startswith("[quickdraft] 32 tokens | draft ngram")
 
 
 def test_every_draft_help_and_the_llm_docstring_name_every_registered_method():
@@ -140,3 +184,140 @@ def test_every_draft_help_and_the_llm_docstring_name_every_registered_method():
             assert spelling in draft.help, (command, spelling)
     for method in METHODS:
         assert f'"{method}"' in LLM.__doc__
+
+
+def _subparsers(parser):
+    import argparse
+
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_every_help_shows_every_default():
+    """Issue 47: `--help` showed no defaults for generate --max-tokens, --top-p, --top-k, or distill --epochs, --lr,
+    --batch-tokens. Now every option of every command whose default is a value says it."""
+    from quickdraft.cli import build_parser
+    from quickdraft.cli_args import _shows_default
+
+    commands = _subparsers(build_parser(lazy=False))
+    assert set(commands) == {"generate", "serve", "batch", "check", "tune", "distill", "bench"}
+    for name, command in commands.items():
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if _shows_default(action):
+                assert "default" in formatter._format_action(action), (name, action.option_strings)
+
+    def help_of(command: str, option: str) -> str:
+        action = next(a for a in commands[command]._actions if option in a.option_strings)
+        return " ".join(commands[command]._get_formatter()._format_action(action).split())
+
+    assert "(default: 256)" in help_of("generate", "--max-tokens")
+    assert "(default: 1.0)" in help_of("generate", "--top-p") and "(default: 0)" in help_of("generate", "--top-k")
+    assert "(default: 4)" in help_of("distill", "--epochs") and "(default: 0.001)" in help_of("distill", "--lr")
+    assert "(default: 4096)" in help_of("distill", "--batch-tokens")
+    assert "(default: ngram)" in help_of("generate", "--draft") and "default: ngram" not in help_of("generate", "--k")
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """Issue 47: every --help took 2.4 s (5+ loaded) importing torch and transformers first."""
+    code = ("import sys\n"
+            "from quickdraft.cli import build_parser, main\n"
+            "build_parser()\n"
+            "for argv in (['--help'], ['generate', '--help'], ['serve', '--help'], ['batch', '--help'],\n"
+            "             ['check', '--help']):\n"
+            "    try:\n"
+            "        main(argv)\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules), file=sys.stderr)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "[]"
+    assert "--max-tokens" in result.stdout and "(default: 256)" in result.stdout
+
+
+def test_the_help_table_of_draft_spellings_is_the_registrys():
+    """--draft's and --tree's help come from cli_args.DRAFT_SPELLINGS while the registry (which imports torch) is
+    not imported: a method added to the registry must be added there too, in the registry's order."""
+    from quickdraft.cli_args import DRAFT_SPELLINGS
+    from quickdraft.drafts import BUILT_IN
+
+    listed = sorted(BUILT_IN, key=lambda cls: cls.spelling_catches_all)  # the registry's draft_help order
+    assert [(cls.spelling, cls.proposes_trees) for cls in listed] == list(DRAFT_SPELLINGS), \
+        "add the method's --draft spelling to quickdraft/cli_args.py's DRAFT_SPELLINGS"
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi"], ["serve"], ["batch", "--input", "in.jsonl", "--output", "o"],
+                                  ["check", "--prompts", "p.txt"]])
+def test_an_unknown_draft_fails_before_any_model_loads_and_lists_the_methods(argv, monkeypatch, capsys, tmp_path):
+    """Issue 47: `--draft bogus_method` loaded the target (23 s), then said "unknown model 'bogus_method'" without
+    the methods. Now it fails before loading anything, naming the methods and how to name a draft model."""
+    from quickdraft import api
+    from quickdraft.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(api.LLM, "__init__", no_load)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "p.txt").write_text("hi\n")
+    assert main([*argv, "--draft", "bogus_method"]) == 2
+    error = capsys.readouterr().err
+    assert "--draft 'bogus_method' is not a draft method" in error
+    for spelling in ("ngram", "suffix", "layers:N", "lookup+MODEL", "eagle[:HEAD_DIR]"):
+        assert spelling in error
+    assert "a .gguf file, a model directory or a hub id (org/name)" in error
+    assert main([*argv, "--draft", "lookup+bogus_model"]) == 2
+    assert "--draft 'lookup+bogus_model': its draft model: unknown model 'bogus_model'" in capsys.readouterr().err
+
+
+def test_the_ray_serve_app_checks_its_draft_with_the_same_chain():
+    """One chain (cli_args.checked_speculative_config) serves generate, serve, batch, check and the Ray Serve
+    app's `serve run` options."""
+    from quickdraft.server.ray_serve import app_settings
+
+    with pytest.raises(QuickdraftError, match="is not a draft method"):
+        app_settings({"draft": "bogus_method"}, environ={})
+    llm_kwargs, _, _ = app_settings({"draft": "suffix", "k": 3, "fixed_k": True, "tree": "4,2"}, environ={})
+    assert llm_kwargs["speculative_config"] == {"method": "suffix", "num_speculative_tokens": 3, "adaptive": False,
+                                                "tree": {"max_nodes": 4, "max_depth": 2}}
+
+
+def test_serve_says_when_it_is_ready(capsys):
+    """Issue 47: `quickdraft serve` said nothing for the 37 s of its load; once it accepts connections it says
+    where."""
+    import socket
+    import threading
+
+    from quickdraft.cli import say_when_ready
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        waiting = threading.Thread(target=say_when_ready, args=("127.0.0.1", port, "m"), kwargs={"poll_s": 0.01})
+        waiting.start()
+        waiting.join(0.3)
+        assert waiting.is_alive() and "ready" not in capsys.readouterr().err  # not listening yet
+        listener.listen()
+        waiting.join(60)
+    assert f"[quickdraft] ready on http://127.0.0.1:{port} (model m;" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_taken_port_before_loading(monkeypatch, capsys):
+    """The port is checked before the model's load (uvicorn found it taken only after it), and so the "ready"
+    line is the server's own."""
+    import socket
+
+    from quickdraft import api
+    from quickdraft.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(api.LLM, "__init__", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--draft", "none"]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

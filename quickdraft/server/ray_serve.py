@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from quickdraft.cli_args import with_tree_argument
+from quickdraft.cli_args import checked_speculative_config
 from quickdraft.errors import QuickdraftError
 from quickdraft.server.app import ServerConfig
 
@@ -262,7 +262,6 @@ def app_settings(args: dict[str, Any] | None = None,
                  environ: dict[str, str] | None = None) -> tuple[dict[str, Any], ServerConfig, dict[str, Any]]:
     """(LLM keyword arguments, ServerConfig, deployment_app's keyword arguments) from `serve run` arguments and
     the environment, checked as `quickdraft serve` checks its options, before any loading."""
-    from quickdraft.drafts import SpeculativeConfig, parse_draft
     from quickdraft.models.loader import DEFAULT_MODEL
 
     o = read_options(args, environ)
@@ -272,11 +271,7 @@ def app_settings(args: dict[str, Any] | None = None,
         raise QuickdraftError(f"grace_period must be >= 0 seconds, got {o['grace_period']}")
     if o["replicas"] is not None and o["replicas"] < 1:
         raise QuickdraftError(f"replicas must be >= 1, got {o['replicas']}")
-    spec = parse_draft(o["draft"], o["k"])
-    if o["fixed_k"] and spec["method"] != "none":
-        spec["adaptive"] = False
-    spec = with_tree_argument(spec, o["tree"])
-    SpeculativeConfig.from_dict(spec)
+    spec = checked_speculative_config(o["draft"], o["k"], adaptive=not o["fixed_k"], tree=o["tree"])
     model = o["model"] or DEFAULT_MODEL
     llm_kwargs = dict(model=model, speculative_config=spec, dtype=o["dtype"], device=o["device"],
                       trust_remote_code=o["trust_remote_code"], runner=o["runner"], max_num_seqs=o["max_num_seqs"],

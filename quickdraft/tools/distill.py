@@ -372,8 +372,9 @@ def add_parser(sub) -> None:
                    help=f"training tokens to generate: the budget (default {DEFAULT_TOKENS})")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB,
                    help=f"tokens the head scores (default {DEFAULT_VOCAB}, the most frequent in the data)")
-    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS, help="passes over the generated training data")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate at its peak (after a linear warm-up, "
+                                                          "then a cosine decay)")
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded positions per training batch")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="answer length cap")
     p.add_argument("--temperatures", default=",".join(str(t) for t in DEFAULT_TEMPERATURES),

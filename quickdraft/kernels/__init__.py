@@ -3,8 +3,10 @@
 `cpu_linear()` returns the module built from cpu_linear.cpp (weight-streaming bf16 and int8 linear layers
 for x86 CPUs with AVX512-BF16, on AMX tiles where present) and cpu_attention.cpp (a decoding step's attention
 and RMSNorm), or None where it cannot run: another CPU, no compiler, or QUICKDRAFT_NO_KERNELS=1.
-Callers then use torch's own matmul. The build (about a minute) is cached under ~/.cache/quickdraft/kernels
-(QUICKDRAFT_CACHE moves it).
+Callers then use torch's own matmul. The build is cached under ~/.cache/quickdraft/kernels (QUICKDRAFT_CACHE
+moves it), one directory per torch version and per variant: the AMX tile kernels are compiled only on CPUs with
+AMX (variant avx512-amx), not where they would never run (avx512). `python -m quickdraft.kernels` builds them
+ahead of use (scripts/setup.sh does); BUILD_TIME says what a build takes.
 
 `cpu_quant_avx2()` returns the module built from cpu_quant_avx2.cpp alone (GGUF-quantized linear layers on AVX2
 integer dot products) for x86 CPUs without AVX-512, or None. `quant_kernels(dtype)` is the module that runs a
@@ -20,21 +22,42 @@ import fcntl
 import logging
 import os
 import platform
+import threading
 from pathlib import Path
 
 import torch
+
+from quickdraft import progress
 
 log = logging.getLogger(__name__)
 
 _SOURCES = [str(Path(__file__).with_name(name)) for name in (
     "cpu_linear.cpp", "cpu_attention.cpp", "cpu_decoder.cpp", "cpu_quant.cpp", "cpu_quant_vnni.cpp",
     "cpu_rows.cpp")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("cpu_quant.h", "cpu_quant_scalar.h")]
+# What the first build takes, said before it starts. Measured on a 2-core AMD EPYC without AMX (variant avx512):
+# 206 CPU-seconds (368 when every source included torch/extension.h and the AMX kernels were compiled everywhere,
+# then 163 s on the machine alone); ninja compiles a source per core, so more cores take less.
+BUILD_TIME = "1.5-2 minutes on 2 cores"
+AVX2_BUILD_TIME = "about half a minute"  # its one source
 _state: dict[str, object] = {}
 
 
-def _build_dir() -> Path:
+def _cache_dir() -> Path:
     root = Path(os.environ.get("QUICKDRAFT_CACHE", Path.home() / ".cache" / "quickdraft"))
     return root / "kernels" / f"torch-{torch.__version__}"
+
+
+def _variant() -> tuple[str, list[str]]:
+    """(name, compiler flags) of the AVX-512 module this CPU runs: with the AMX tile kernels where it has AMX,
+    else without them (their templates, instantiated for every GGUF type, are a large part of the build)."""
+    amx = "amx_tile" in _cpu_flags() or bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return ("avx512-amx", ["-DQUICKDRAFT_AMX=1"]) if amx else ("avx512", [])
+
+
+def _build_dir() -> Path:
+    """Where the AVX-512 module of this CPU's variant is built and cached."""
+    return _cache_dir() / _variant()[0]
 
 
 @contextlib.contextmanager
@@ -55,12 +78,55 @@ def _build_lock(build: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _load(name: str, sources: list[str], build: Path, cflags: list[str]):
+def _needs_build(name: str, sources: list[str], build: Path) -> bool:
+    """Whether loading module `name` from `build` compiles first: no module yet, or a source newer than it."""
+    module = build / f"{name}.so"
+    if not module.is_file():
+        return True
+    built = module.stat().st_mtime
+    return any(Path(path).stat().st_mtime > built for path in [*sources, *_HEADERS] if Path(path).exists())
+
+
+def _load(name: str, sources: list[str], build: Path, cflags: list[str], what: str, takes: str = BUILD_TIME):
+    """The module `name` built from `sources` in `build` (compiled first where needed: a warning saying what it
+    `takes`, or a progress line counting the compiled sources where progress is shown)."""
     from torch.utils import cpp_extension
 
     with _build_lock(build):
-        return cpp_extension.load(name=name, sources=sources, build_directory=str(build), extra_cflags=cflags,
-                                  extra_ldflags=["-fopenmp"], verbose=False)
+        if not _needs_build(name, sources, build):
+            return cpp_extension.load(name=name, sources=sources, build_directory=str(build), extra_cflags=cflags,
+                                      extra_ldflags=["-fopenmp"], verbose=False)
+        if not progress.shown():
+            log.warning("quickdraft: compiling its %s (once per machine and torch version; %s, less on more cores)",
+                        what, takes)
+        description = f"compiling quickdraft's {what}, once ({takes})"
+        with progress.task(description, total=len(sources) + 1, done=f"compiled quickdraft's {what}") as advance:
+            stop = threading.Event()
+            watcher = threading.Thread(target=_count_objects, args=(build, len(sources), advance, stop), daemon=True)
+            watcher.start()
+            try:
+                module = cpp_extension.load(name=name, sources=sources, build_directory=str(build),
+                                            extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
+            finally:
+                stop.set()
+                watcher.join()
+            advance(len(sources) + 1, absolute=True)
+        return module
+
+
+def _count_objects(build: Path, count: int, advance, stop: threading.Event) -> None:
+    """Report the object files compiled in `build` since this build began (ninja writes one per source)."""
+    existing = {path: path.stat().st_mtime for path in build.glob("*.o")}
+    while not stop.wait(0.5):
+        fresh = [path for path in build.glob("*.o") if existing.get(path) != _mtime(path)]
+        advance(min(len(fresh), count), absolute=True)
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # ninja replacing it
+        return None
 
 
 def cpu_has_bf16() -> bool:
@@ -83,10 +149,9 @@ def cpu_linear():
         try:
             build = _build_dir()
             build.mkdir(parents=True, exist_ok=True)
-            if not any(build.glob("*.so")):
-                log.warning("quickdraft: compiling its CPU kernels (once, about a minute)")
             module = _load("quickdraft_cpu_linear", _SOURCES, build,
-                           ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"])
+                           ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp",
+                            *_variant()[1]], "CPU kernels")
         except Exception as error:  # no compiler, no ninja, a compile error: fall back, say why once
             reason = f"the build failed ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})"
     if reason and cpu_has_bf16() and not os.environ.get("QUICKDRAFT_NO_KERNELS"):
@@ -153,12 +218,10 @@ def cpu_quant_avx2():
     else:
         reason = None
         try:
-            build = _build_dir() / "avx2"
+            build = _cache_dir() / "avx2"
             build.mkdir(parents=True, exist_ok=True)
-            if not any(build.glob("*.so")):
-                log.warning("quickdraft: compiling its AVX2 quantized kernels (once, about half a minute)")
             module = _load("quickdraft_cpu_quant_avx2", [str(Path(__file__).with_name("cpu_quant_avx2.cpp"))], build,
-                           ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"])
+                           ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], "AVX2 quantized kernels", AVX2_BUILD_TIME)
         except Exception as error:  # as cpu_linear(): fall back to float32 weights, say why
             reason = f"the build failed ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})"
             log.warning("quickdraft: AVX2 quantized kernels unavailable, GGUF weights widened to float32: %s", reason)

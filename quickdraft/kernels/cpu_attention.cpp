@@ -11,7 +11,7 @@
 // consecutive positions, the pairs of each pair of dimensions): the scores of 16 keys are then 16 lanes of
 // one register, accumulated pair by pair with the BF16 dot-product instruction, without horizontal sums.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h (3x the compile time): only the Python bindings need it
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -241,7 +241,7 @@ struct TreeRows {
 
 // Fill `tree` for segment `seg` from the parent slot of every tree slot [base, start + rows) (parents [end -
 // base], base - 1 for a child of the root), checked, and point the segment at it.
-void tree_rows(const char* what, Segment& seg, int64_t base, const torch::Tensor& parents, TreeRows& tree) {
+void tree_rows(const char* what, Segment& seg, int64_t base, const at::Tensor& parents, TreeRows& tree) {
   const int64_t end = seg.start + seg.rows;
   TORCH_CHECK(parents.scalar_type() == at::kLong && parents.is_contiguous() && parents.dim() == 1 &&
               parents.device().is_cpu(), what, ": tree parents must be a contiguous int64 CPU tensor");
@@ -278,11 +278,11 @@ std::vector<int64_t> segment_of_rows(const std::vector<Segment>& segments, int64
 // The segments of a call over several sequences (see attention_segments), checked.
 // tree_bases / tree_parents: empty (no trees), or one per sequence: 0 and an empty tensor for causal rows, or
 // a tree's base slot and the parent slot of each of its slots (see tree_rows), whose rows go to `trees`.
-std::vector<Segment> cache_segments(const char* what, const std::vector<torch::Tensor>& keys,
-                                    const std::vector<torch::Tensor>& values, int64_t layer,
+std::vector<Segment> cache_segments(const char* what, const std::vector<at::Tensor>& keys,
+                                    const std::vector<at::Tensor>& values, int64_t layer,
                                     const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t n,
                                     int64_t d, int64_t* h_kv, const std::vector<int64_t>& tree_bases,
-                                    const std::vector<torch::Tensor>& tree_parents, std::vector<TreeRows>& trees,
+                                    const std::vector<at::Tensor>& tree_parents, std::vector<TreeRows>& trees,
                                     bool* wide) {
   const size_t count = starts.size();
   TORCH_CHECK(keys.size() == count && values.size() == count && rows.size() == count && count > 0, what,
@@ -291,8 +291,8 @@ std::vector<Segment> cache_segments(const char* what, const std::vector<torch::T
   segments.reserve(count);
   int64_t offset = 0;
   for (size_t s = 0; s < count; ++s) {
-    const torch::Tensor& k = keys[s];
-    const torch::Tensor& v = values[s];
+    const at::Tensor& k = keys[s];
+    const at::Tensor& v = values[s];
     if (s == 0) *wide = k.scalar_type() == at::kHalf;
     TORCH_CHECK(k.scalar_type() == (*wide ? at::kHalf : at::kBFloat16) && v.scalar_type() == at::kBFloat16 &&
                 k.is_contiguous() && v.is_contiguous() && k.dim() == 6 && v.dim() == 4, what,
@@ -379,10 +379,10 @@ void attend(const Q* q_row, int64_t group, int64_t kv, const K* keys,
 
 // The attention of every row of q [n, >=Hq, d] (d contiguous, head stride d) in its segment, [n, Hq d] out.
 template <typename Q, typename K>
-torch::Tensor attention_rows(const torch::Tensor& q, int64_t num_q_heads, int64_t h_kv,
+at::Tensor attention_rows(const at::Tensor& q, int64_t num_q_heads, int64_t h_kv,
                              const std::vector<Segment>& segments, int64_t window, double scale) {
   const int64_t n = q.size(0), d = q.size(2), group = num_q_heads / h_kv, q_stride = q.stride(0);
-  auto out = torch::empty({n, num_q_heads * d}, q.options());  // Out = Q
+  auto out = at::empty({n, num_q_heads * d}, q.options());  // Out = Q
   const std::vector<int64_t> owner = segment_of_rows(segments, n);
   const auto* qp = q.data_ptr<Q>();
   auto* op = out.data_ptr<Q>();
@@ -404,7 +404,7 @@ torch::Tensor attention_rows(const torch::Tensor& q, int64_t num_q_heads, int64_
 }
 
 // attention_rows on the caches' key type: bf16 q and out over bf16 keys, or float32 q and out over float16 keys.
-torch::Tensor attention_rows(const char* what, const torch::Tensor& q, int64_t num_q_heads, int64_t h_kv,
+at::Tensor attention_rows(const char* what, const at::Tensor& q, int64_t num_q_heads, int64_t h_kv,
                              const std::vector<Segment>& segments, int64_t window, double scale, bool wide) {
   TORCH_CHECK(q.scalar_type() == (wide ? at::kFloat : at::kBFloat16), what,
               wide ? ": float16 keys take float32 q" : ": bf16 keys take bf16 q");
@@ -421,8 +421,8 @@ torch::Tensor attention_rows(const char* what, const torch::Tensor& q, int64_t n
 // key cache): float32 q and float32 out, which the output projection's integer kernel quantizes as it is; the
 // values stay bf16. Why: with one int8 digit an activation, bf16 keys and outputs doubled the KL of Qwen 0.5B's
 // logits (benchmarks/RESULTS.md, session 22).
-torch::Tensor attention(const torch::Tensor& q, int64_t num_q_heads, const torch::Tensor& keys,
-                        const torch::Tensor& values, int64_t start, int64_t window, double scale) {
+at::Tensor attention(const at::Tensor& q, int64_t num_q_heads, const at::Tensor& keys,
+                        const at::Tensor& values, int64_t start, int64_t window, double scale) {
   const bool wide = keys.scalar_type() == at::kHalf;
   TORCH_CHECK((wide || keys.scalar_type() == at::kBFloat16) && values.scalar_type() == at::kBFloat16,
               "attention: bf16 or float16 keys and bf16 values expected");
@@ -443,11 +443,11 @@ torch::Tensor attention(const torch::Tensor& q, int64_t num_q_heads, const torch
 // 16, 2] and values[s] [layers, Hkv, cap, d] at `layer`. Each row is computed exactly as `attention` computes
 // it for its sequence alone (the same code per token), in one parallel loop over all rows. tree_bases and
 // tree_parents (empty, or one per sequence; see cache_segments) make a sequence's rows a token tree.
-torch::Tensor attention_segments(const torch::Tensor& q, int64_t num_q_heads, const std::vector<torch::Tensor>& keys,
-                                 const std::vector<torch::Tensor>& values, int64_t layer,
+at::Tensor attention_segments(const at::Tensor& q, int64_t num_q_heads, const std::vector<at::Tensor>& keys,
+                                 const std::vector<at::Tensor>& values, int64_t layer,
                                  const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t window,
                                  double scale, const std::vector<int64_t>& tree_bases,
-                                 const std::vector<torch::Tensor>& tree_parents) {
+                                 const std::vector<at::Tensor>& tree_parents) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "attention_segments: q must be [n, H, d] with d contiguous");
   const int64_t d = q.size(2);
@@ -465,7 +465,7 @@ torch::Tensor attention_segments(const torch::Tensor& q, int64_t num_q_heads, co
 // weight (Llama); otherwise multiply by a float32 weight (Gemma, whose weight is stored as 1 + w). bf16 out, rounded
 // so; or float32 out if float_output, with no bf16 rounding anywhere (llama.cpp's way: a Gemma post-norm joining a
 // float32 stream, or a norm feeding a GGUF layer's integer kernel).
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool llama_style,
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool llama_style,
                        bool float_output) {
   const bool x_float = x.scalar_type() == at::kFloat;
   TORCH_CHECK((x_float || x.scalar_type() == at::kBFloat16) && x.is_contiguous(), "rms_norm: contiguous bf16 or float32 x");
@@ -473,7 +473,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   TORCH_CHECK(H % 16 == 0 && weight.is_contiguous() && weight.size(-1) == H, "rms_norm: bad shapes");
   TORCH_CHECK(weight.scalar_type() == (llama_style ? at::kBFloat16 : at::kFloat), "rms_norm: weight dtype");
   const int64_t R = weight.numel() / H;
-  auto y = torch::empty(x.sizes(), x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
+  auto y = at::empty(x.sizes(), x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
   const void* xp = x.data_ptr();
   void* yp = y.data_ptr();
   const void* wp = weight.data_ptr();
@@ -515,14 +515,14 @@ namespace {
 // T: bf16 (qkv, cos, sin, q and keys bf16) or float (a float32 stream: qkv, cos, sin and q float32, keys
 // float16, values rounded to bf16; no bf16 rounding after a per-head norm either).
 template <typename T>
-torch::Tensor rope_rows(const torch::Tensor& qkv, int64_t num_q_heads, int64_t h_kv, int64_t d,
-                        const torch::Tensor& qk_norm, double eps, const torch::Tensor& cos, const torch::Tensor& sin,
+at::Tensor rope_rows(const at::Tensor& qkv, int64_t num_q_heads, int64_t h_kv, int64_t d,
+                        const at::Tensor& qk_norm, double eps, const at::Tensor& cos, const at::Tensor& sin,
                         const std::vector<Segment>& segments) {
   constexpr bool wide = std::is_same_v<T, float>;
   using Key = std::conditional_t<wide, c10::Half, c10::BFloat16>;
   const int64_t n = qkv.size(0), heads = num_q_heads + h_kv, half = d / 2;
   const bool norm = qk_norm.defined() && qk_norm.numel() > 0;
-  auto q = torch::empty({n, num_q_heads, d}, qkv.options());
+  auto q = at::empty({n, num_q_heads, d}, qkv.options());
   const std::vector<int64_t> owner = segment_of_rows(segments, n);
   const auto* src = qkv.data_ptr<T>();
   const auto* cp = cos.data_ptr<T>();
@@ -578,8 +578,8 @@ torch::Tensor rope_rows(const torch::Tensor& qkv, int64_t num_q_heads, int64_t h
 }
 
 // wide: float16 keys, which take float32 qkv, cos and sin; else all bf16.
-void check_rope_inputs(const char* what, const torch::Tensor& qkv, const torch::Tensor& qk_norm,
-                       const torch::Tensor& cos, const torch::Tensor& sin, int64_t num_q_heads, int64_t h_kv,
+void check_rope_inputs(const char* what, const at::Tensor& qkv, const at::Tensor& qk_norm,
+                       const at::Tensor& cos, const at::Tensor& sin, int64_t num_q_heads, int64_t h_kv,
                        int64_t d, bool wide) {
   const auto dtype = wide ? at::kFloat : at::kBFloat16;
   const char* name = wide ? "float32 (the key cache is float16)" : "bf16 (the key cache is bf16)";
@@ -601,9 +601,9 @@ void check_rope_inputs(const char* what, const torch::Tensor& qkv, const torch::
 // rotate_half(x) * sin == roll(x, d/2) * sin), keys and values written to the caches at start .. start+n-1
 // (keys packed [Hkv, cap/16, d/2, 16, 2], values [Hkv, cap, d]).
 // qkv: [n, (Hq + 2 Hkv) d] contiguous. Returns the roped queries [n, Hq, d].
-torch::Tensor rope_and_cache(const torch::Tensor& qkv, int64_t num_q_heads, const torch::Tensor& qk_norm,
-                             double eps, const torch::Tensor& cos, const torch::Tensor& sin,
-                             torch::Tensor& keys, torch::Tensor& values, int64_t start) {
+at::Tensor rope_and_cache(const at::Tensor& qkv, int64_t num_q_heads, const at::Tensor& qk_norm,
+                             double eps, const at::Tensor& cos, const at::Tensor& sin,
+                             at::Tensor& keys, at::Tensor& values, int64_t start) {
   const bool wide = keys.scalar_type() == at::kHalf;
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.dim() == 5 && values.dim() == 3 &&
               (wide || keys.scalar_type() == at::kBFloat16) && values.scalar_type() == at::kBFloat16,
@@ -623,12 +623,12 @@ torch::Tensor rope_and_cache(const torch::Tensor& qkv, int64_t num_q_heads, cons
 // values[s] [layers, Hkv, cap, d] at `layer`. cos and sin are whole tables [>= every end, d], indexed by
 // position. Each row is computed exactly as rope_and_cache computes it for its sequence alone. With trees
 // (see cache_segments) a tree row is written at its slot and roped at its position (base + depth - 1).
-torch::Tensor rope_and_cache_segments(const torch::Tensor& qkv, int64_t num_q_heads, const torch::Tensor& qk_norm,
-                                      double eps, const torch::Tensor& cos, const torch::Tensor& sin,
-                                      const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+at::Tensor rope_and_cache_segments(const at::Tensor& qkv, int64_t num_q_heads, const at::Tensor& qk_norm,
+                                      double eps, const at::Tensor& cos, const at::Tensor& sin,
+                                      const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                                       int64_t layer, const std::vector<int64_t>& starts,
                                       const std::vector<int64_t>& rows, const std::vector<int64_t>& tree_bases,
-                                      const std::vector<torch::Tensor>& tree_parents) {
+                                      const std::vector<at::Tensor>& tree_parents) {
   TORCH_CHECK(!values.empty() && values[0].dim() == 4, "rope_and_cache_segments: values [layers, Hkv, cap, d]");
   const int64_t d = values[0].size(3);
   int64_t h_kv = 0;
@@ -646,11 +646,11 @@ torch::Tensor rope_and_cache_segments(const torch::Tensor& qkv, int64_t num_q_he
 
 // act(gate) * up for gate_up [n, 2F] (gate first): SiLU (Llama) or tanh-approximated GELU (Gemma), 16 lanes
 // at a time (the last chunk of a row masked), each lane computed alike.
-torch::Tensor gated_activation(const torch::Tensor& gate_up, bool gelu_tanh) {
+at::Tensor gated_activation(const at::Tensor& gate_up, bool gelu_tanh) {
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2,
               "gated_activation: contiguous 2-d bf16");
   const int64_t n = gate_up.size(0), f = gate_up.size(1) / 2, chunks = (f + 15) / 16;
-  auto out = torch::empty({n, f}, gate_up.options());
+  auto out = at::empty({n, f}, gate_up.options());
   const auto* src = gate_up.data_ptr<c10::BFloat16>();
   auto* dst = out.data_ptr<c10::BFloat16>();
   at::parallel_for(0, n * chunks, 64, [&](int64_t begin, int64_t end) {

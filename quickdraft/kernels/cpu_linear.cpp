@@ -11,7 +11,7 @@
 // dot product runs on them and the scale multiplies the float32 sum); both packed by
 // quickdraft.kernels.pack into [N/16, K/2, 16, 2].
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h (3x the compile time): only the Python bindings need it
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
@@ -99,9 +99,9 @@ void row_block(int64_t mr, const c10::BFloat16* x, int64_t ldx, const W* w, int6
 }
 
 template <typename W>
-torch::Tensor run(const torch::Tensor& x, const W* w, int64_t N, const float* scales) {
+at::Tensor run(const at::Tensor& x, const W* w, int64_t N, const float* scales) {
   const int64_t M = x.size(0), K = x.size(1);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const auto* xp = x.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
   // Threads split the 16-output blocks; each walks its blocks 64 outputs at a time, for every 6 rows of x
@@ -131,7 +131,14 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
+// Tiles only in a build with QUICKDRAFT_AMX (quickdraft/kernels/__init__.py defines it on CPUs with AMX); the
+// one tile function below is small and compiled either way.
+#ifndef QUICKDRAFT_AMX
+#define QUICKDRAFT_AMX 0
+#endif
+
 bool amx_permitted() {
+  if (!QUICKDRAFT_AMX) return false;
   static const bool ok = [] {
     constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
@@ -178,7 +185,7 @@ void amx_rows(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16*
   _tile_release();
 }
 
-void check(const torch::Tensor& x, const torch::Tensor& w) {
+void check(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous 2-d bf16 CPU tensor");
   TORCH_CHECK(x.size(1) % 2 == 0, "K must be even");
@@ -189,9 +196,9 @@ void check(const torch::Tensor& x, const torch::Tensor& w) {
 
 // y = (x w^T) * scales (scales may be null) on AMX tiles, w bf16 packed; the caller checked K % 32 == 0 and
 // amx_permitted().
-torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const float* scales) {
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, const float* scales) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * 16;
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const auto* xp = x.data_ptr<c10::BFloat16>();
   const auto* wp = w.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
@@ -201,14 +208,14 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& w, const f
 
 }  // namespace
 
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool use_amx) {
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w, bool use_amx) {
   check(x, w);
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "w must be bf16");
   if (use_amx && x.size(1) % 32 == 0 && amx_permitted()) return amx_linear(x, w, nullptr);
   return run(x, w.data_ptr<c10::BFloat16>(), w.size(0) * 16, nullptr);
 }
 
-torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   check(x, w);
   TORCH_CHECK(w.scalar_type() == at::kChar, "w must be int8");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == w.size(0) * 16,

@@ -26,7 +26,7 @@
 // This file is the fallback: where the CPU has AVX512-VNNI, linear_quant runs the integer-dot-product kernel
 // (cpu_quant_vnni.cpp) on the same chunks, its activations quantized to two int8 digits (the default) or one.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h (3x the compile time): only the Python bindings need it
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
@@ -41,7 +41,7 @@
 
 // The integer-dot-product kernels (cpu_quant_vnni.cpp): whether this CPU runs them, and y = x W^T on them.
 bool quant_vnni_available();
-torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+at::Tensor linear_quant_vnni(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                                 const std::vector<int64_t>& types, int digits, bool fine, bool float_output);
 
 namespace {
@@ -316,13 +316,13 @@ std::string set_quant_kernel(const std::string& name) {
 // [N_i/16, K/SB_i, chunk_i] uint8 of GGML type types[i]. Returns [M, sum N_i] bf16, or float32 if float_output
 // (logits: rounded to bf16, near-ties of the largest logits become ties). kernel_name: the model's quantized kernel,
 // "" for none (kernel_for says which runs).
-torch::Tensor linear_quant(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
+at::Tensor linear_quant(const at::Tensor& x_in, const std::vector<at::Tensor>& weights,
                            const std::vector<int64_t>& types, bool float_output, const std::string& kernel_name) {
   TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat) &&
               x_in.is_contiguous() && x_in.device().is_cpu(), "x must be a contiguous 2-d bf16 or float32 CPU tensor");
   // float32 x: the integer kernels quantize it as it is; the bf16 kernel reads it rounded to bf16.
   const int kernel = kernel_for(kernel_name);
-  const torch::Tensor x = kernel == kBf16 ? x_in.to(at::kBFloat16) : x_in;
+  const at::Tensor x = kernel == kBf16 ? x_in.to(at::kBFloat16) : x_in;
   TORCH_CHECK(!weights.empty() && weights.size() == types.size(), "one type per quantized weight");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32, got ", K);
@@ -338,7 +338,7 @@ torch::Tensor linear_quant(const torch::Tensor& x_in, const std::vector<torch::T
   }
   if (kernel != kBf16)
     return linear_quant_vnni(x, weights, types, kernel == kInt16 ? 2 : 1, kernel == kInt8x32, float_output);
-  auto y = torch::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
+  auto y = at::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
   const auto* xp = reinterpret_cast<const int32_t*>(x.data_ptr<c10::BFloat16>());
   const int64_t half_k = K / 2, blocks = K / 32;
@@ -373,6 +373,6 @@ torch::Tensor linear_quant(const torch::Tensor& x_in, const std::vector<torch::T
 }
 
 // Rows `rows` of a packed weight as float32 [len(rows), K] (the embedding lookup; the tests' view of the layout).
-torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& rows, int64_t K) {
+at::Tensor dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& rows, int64_t K) {
   return dequantize_packed_rows(w, type, rows, K);
 }

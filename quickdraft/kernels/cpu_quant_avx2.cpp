@@ -18,7 +18,7 @@
 // output n: its low 32 bytes are outputs 0-7, its high 32 bytes outputs 8-15, so a group of 16 outputs is two halves
 // here, each run as cpu_quant_vnni.cpp runs the whole vector.
 
-#include <torch/extension.h>
+#include <torch/extension.h>  // this module binds itself to Python
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
@@ -333,7 +333,7 @@ bool quant_avx2_available() {
 // y = x [W_0; W_1; ...]^T as cpu_quant.cpp's linear_quant: x [M, K] float32 or bf16, weights[i] packed [N_i/16,
 // K/SB_i, chunk_i] uint8 of GGML type types[i]; y [M, sum N_i] float32 if float_output or x is float32, else bf16.
 // kernel_name: the model's quantized kernel, "" (none) or int8x32, the one this module computes.
-torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+at::Tensor linear_quant(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                            const std::vector<int64_t>& types, bool float_output, const std::string& kernel_name) {
   TORCH_CHECK(quant_avx2_available(), "this CPU lacks AVX2, FMA or F16C, which quickdraft's AVX2 kernels need");
   TORCH_CHECK(kernel_name.empty() || kernel_name == "int8x32", "the quantized kernel '", kernel_name,
@@ -360,7 +360,7 @@ torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tens
     N += weights[i].size(0) * 16;
     total_groups += weights[i].size(0);
   }
-  auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M > 0) {
     Activations acts[2];
     for (int nibbles = 0; nibbles < 2; ++nibbles) {
@@ -392,7 +392,7 @@ std::string set_quant_kernel(const std::string& name) {
   return "int8x32";
 }
 
-torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& rows, int64_t K) {
+at::Tensor dequantize_rows(const at::Tensor& w, int64_t type, const at::Tensor& rows, int64_t K) {
   return dequantize_packed_rows(w, type, rows, K);
 }
 

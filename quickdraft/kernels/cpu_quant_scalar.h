@@ -6,7 +6,7 @@
 
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h (3x the compile time): only the Python bindings need it
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -40,7 +40,7 @@ inline PackedType packed_type(int64_t type) {
   return {32, 288, false};  // not reached
 }
 
-inline void check_weight(const torch::Tensor& w, int64_t type, int64_t K) {
+inline void check_weight(const at::Tensor& w, int64_t type, int64_t K) {
   const PackedType t = packed_type(type);
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu(),
               "quantized weight must be a contiguous uint8 CPU tensor [N/16, K/SB, chunk]");
@@ -124,12 +124,12 @@ inline float weight_value(int64_t type, const uint8_t* c, int n, int k) {
 }
 
 // Rows `rows` of a packed weight as float32 [len(rows), K].
-inline torch::Tensor dequantize_packed_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& rows, int64_t K) {
+inline at::Tensor dequantize_packed_rows(const at::Tensor& w, int64_t type, const at::Tensor& rows, int64_t K) {
   check_weight(w, type, K);
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be a 1-d int64 tensor");
   const auto r = rows.contiguous();
   const int64_t n = r.size(0), N = w.size(0) * 16;
-  auto out = torch::empty({n, K}, torch::dtype(torch::kFloat32));
+  auto out = at::empty({n, K}, at::TensorOptions().dtype(at::kFloat));
   const auto* rp = r.data_ptr<int64_t>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();

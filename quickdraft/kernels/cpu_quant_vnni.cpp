@@ -24,7 +24,7 @@
 // steps (two inputs of 16 outputs in 32 bytes) become four inputs a lane by one word permute, and unsigned
 // codes (q + 128) by flipping the sign bit.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h (3x the compile time): only the Python bindings need it
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
@@ -674,11 +674,24 @@ void amx_super_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_
   _tile_release();
 }
 
-// The tile kernel of a type: K-quants fold their sub-block scales into the codes, blocks of 32 cannot.
+// The tile kernel of a type: K-quants fold their sub-block scales into the codes, blocks of 32 cannot. Built
+// with QUICKDRAFT_AMX only (quickdraft/kernels/__init__.py defines it on CPUs with AMX): elsewhere the tile
+// kernels, instantiated for every type, digit count, tile height and output type, are never compiled (half this
+// file's build) and amx_tiles_usable() is false, so this is never called.
+#ifndef QUICKDRAFT_AMX
+#define QUICKDRAFT_AMX 0
+#endif
+constexpr bool kAmxBuilt = QUICKDRAFT_AMX;
+
 template <class Q, int D, int TR, class Y>
 void amx_kernel(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y, int64_t ldy) {
-  if constexpr (Q::kSubs > 1) amx_super_groups<Q, D, TR>(a, w, g0, g1, y, ldy);
-  else amx_groups<Q, D, TR>(a, w, g0, g1, y, ldy);
+  if constexpr (!kAmxBuilt) {
+    TORCH_CHECK(false, "quickdraft's kernels were built without AMX");
+  } else if constexpr (Q::kSubs > 1) {
+    amx_super_groups<Q, D, TR>(a, w, g0, g1, y, ldy);
+  } else {
+    amx_groups<Q, D, TR>(a, w, g0, g1, y, ldy);
+  }
 }
 
 template <class F>
@@ -716,7 +729,7 @@ int64_t amx_rows(int digits) {
 }
 // The tiles (the OS must grant them to the process).
 bool amx_tiles_usable() {
-  return __builtin_cpu_supports("amx-int8") && amx_available();
+  return kAmxBuilt && __builtin_cpu_supports("amx-int8") && amx_available();
 }
 // -1: not chosen yet; QUICKDRAFT_QUANT_AMX=0 keeps the vpdpbusd kernel for every call (to test it on AMX CPUs).
 std::atomic<int> use_amx{-1};
@@ -752,7 +765,7 @@ int64_t set_quant_amx_rows(int64_t rows) {
 // else per weight block (256 for the K-quants); y float32 if float_output, else bf16. Runs only where
 // quant_vnni_available(). With `fine` the K-quants stay on vpdpbusd (amx_super_groups folds one activation scale per
 // super-block).
-torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+at::Tensor linear_quant_vnni(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                                 const std::vector<int64_t>& types, int digits, bool fine, bool float_output) {
   TORCH_CHECK(digits == 1 || digits == 2, "digits must be 1 or 2");
   TORCH_CHECK(!fine || digits == 1, "a scale per 32 activations is a one-digit scheme");
@@ -775,7 +788,7 @@ torch::Tensor linear_quant_vnni(const torch::Tensor& x, const std::vector<torch:
     N += weights[i].size(0) * 16;
     total_groups += weights[i].size(0);
   }
-  auto y = torch::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
+  auto y = at::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
   // A tiles of 8 rows (each row's digits) for few rows, else 16; zero rows past M up to a whole pass
   const int tile_rows = M * digits <= 8 ? 8 : 16;

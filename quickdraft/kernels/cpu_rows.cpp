@@ -10,7 +10,7 @@
 // a row with fewer than k values above -inf completes its k with -inf entries of the lowest indices not taken.
 // A row holding a NaN (or +inf, for logsumexp) is reported and the caller falls back to torch for the call.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h (3x the compile time): only the Python bindings need it
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -123,7 +123,7 @@ void row_top_k(const float* x, int64_t n, int64_t k, float* values, int64_t* ind
   for (; i < n; ++i) insert(i);
 }
 
-void check_rows(const torch::Tensor& x, const char* what) {
+void check_rows(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), what,
               ": float32 CPU rows [R, V], contiguous");
   TORCH_CHECK(x.size(1) > 0, what, ": rows of at least one value");
@@ -132,10 +132,10 @@ void check_rows(const torch::Tensor& x, const char* what) {
 }  // namespace
 
 // [R, V] -> ([R] int64 first index of each row's maximum, whether some row holds a NaN: then use torch).
-std::tuple<torch::Tensor, bool> rows_argmax(torch::Tensor x) {
+std::tuple<at::Tensor, bool> rows_argmax(at::Tensor x) {
   check_rows(x, "rows_argmax");
   const int64_t rows = x.size(0), n = x.size(1);
-  torch::Tensor out = torch::empty({rows}, torch::kLong);
+  at::Tensor out = at::empty({rows}, at::kLong);
   const float* data = x.data_ptr<float>();
   int64_t* index = out.data_ptr<int64_t>();
   std::vector<char> nan(rows, 0);
@@ -154,14 +154,14 @@ std::tuple<torch::Tensor, bool> rows_argmax(torch::Tensor x) {
 
 // [R, V], k in 1..V -> (values [R, k] float32, indices [R, k] int64, logsumexp [R] float32 (empty unless asked),
 // whether every row was computed: no NaN, and for logsumexp no +inf; else use torch).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, bool> rows_top_k(torch::Tensor x, int64_t k,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> rows_top_k(at::Tensor x, int64_t k,
                                                                          bool with_logsumexp) {
   check_rows(x, "rows_top_k");
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(k >= 1 && k <= n, "rows_top_k: k must be in 1..", n, ", got ", k);
-  torch::Tensor values = torch::empty({rows, k}, torch::kFloat);
-  torch::Tensor indices = torch::empty({rows, k}, torch::kLong);
-  torch::Tensor lse = torch::empty({with_logsumexp ? rows : 0}, torch::kFloat);
+  at::Tensor values = at::empty({rows, k}, at::kFloat);
+  at::Tensor indices = at::empty({rows, k}, at::kLong);
+  at::Tensor lse = at::empty({with_logsumexp ? rows : 0}, at::kFloat);
   const float* data = x.data_ptr<float>();
   std::vector<char> failed(rows, 0);
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {

@@ -15,7 +15,7 @@ def _failed_build(monkeypatch, caplog, has_bf16: bool, tmp_path):
     monkeypatch.setattr(kernels, "cpu_has_bf16", lambda: has_bf16)
     monkeypatch.delenv("QUICKDRAFT_NO_KERNELS", raising=False)
     monkeypatch.setattr(cpp_extension, "load", broken_load)
-    (tmp_path / "built-before.so").touch()  # not a first build: no "compiling" notice before the failure
+    (tmp_path / "quickdraft_cpu_linear.so").touch()  # built before: no "compiling" notice before the failure
     monkeypatch.setattr(kernels, "_build_dir", lambda: tmp_path)
     with caplog.at_level(logging.INFO, logger="quickdraft.kernels"):
         assert kernels.cpu_linear() is None

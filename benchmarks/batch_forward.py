@@ -1,4 +1,4 @@
-"""Time one target forward over B sequences (NativeRunner.forward_batch): each sequence at a ~200-token context
+"""Time one target forward over B sequences (a native runner's forward_batch): each sequence at a ~200-token context
 appends 1 token (a decoding step) or 1+4 tokens (verifying 4 draft tokens, all 5 rows' logits).
 
     .venv/bin/python benchmarks/batch_forward.py [MODEL] [--context 200] [--rounds 7] [--threads 2]
@@ -31,7 +31,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     runner = LLM(args.model).target
     print(f"{runner.name}: {type(runner).__name__}, {runner.dtype}, {runner.num_layers} layers, "
-          f"C++ layer loop: {bool(getattr(runner, '_native_decoder', lambda: None)())}, {args.threads} threads")
+          f"backend: {runner.backend}, {args.threads} threads")
 
     generator = torch.Generator().manual_seed(0)
     vocab = min(runner.vocab_size, 10_000)

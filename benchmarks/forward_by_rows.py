@@ -40,8 +40,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner, _ = load_runner(args.model, dtype=resolve_dtype("auto", torch.device("cpu")))
-    avx512 = runner._cpu_kernels is not None and runner._native_decoder() is not None
-    module = runner._cpu_kernels if avx512 else kernels.cpu_quant_avx2()
+    avx512 = runner.backend == "cpu-kernels" and runner.decoder() is not None
+    module = runner.kernels if avx512 else kernels.cpu_quant_avx2()
     if module is None:
         raise SystemExit("needs quickdraft's CPU kernels (an AVX512-BF16 CPU, or AVX2 for a GGUF file's blocks)")
     rows = [int(r) for r in args.rows.split(",")]
@@ -52,7 +52,7 @@ def main() -> None:
     amx = avx512 and (module.set_quant_amx(True) or module.quant_amx())
     dtypes = {"float32": torch.float32, "bf16": torch.bfloat16}
     residuals = args.residual.split(",") if args.residual else [
-        next(name for name, dtype in dtypes.items() if dtype == runner.residual_dtype)]
+        next(name for name, dtype in dtypes.items() if dtype == runner.weights.residual_dtype)]
     if not set(residuals) <= set(dtypes):
         raise SystemExit(f"--residual takes {', '.join(dtypes)}")
     tilings = [(k, t, r) for k in schemes for r in residuals
@@ -66,7 +66,7 @@ def main() -> None:
         for round_ in range(args.rounds + 1):  # round 0 warms up
             for tiling in tilings:
                 module.set_quant_kernel(tiling[0])
-                runner.residual_dtype = dtypes[tiling[2]]
+                runner.weights.residual_dtype = dtypes[tiling[2]]
                 if avx512:
                     module.set_quant_amx(tiling[1] == "tiles")
                 for n in rows:

@@ -39,10 +39,10 @@ def main() -> None:
     runners = {}
     for dtype in (["auto", "bfloat16"] if args.dtype == "both" else [args.dtype]):
         runners[dtype], _ = load_runner(args.model, keep_quantized=dtype == "auto")
-        if runners[dtype]._cpu_kernels is None or runners[dtype]._native_decoder() is None:
+        if runners[dtype].backend != "cpu-kernels" or runners[dtype].decoder() is None:
             raise SystemExit("this profile needs quickdraft's CPU kernels (an AVX512-BF16 CPU)")
     first = runners[next(iter(runners))]
-    module = first._cpu_kernels
+    module = first.kernels
     quant_kernels = args.kernels.split(",") if args.kernels else [first.quant_kernel_in_use or module.quant_kernel()]
     ids = torch.randint(0, 1000, (args.context + args.tokens,), generator=torch.Generator().manual_seed(0))
     caches = {}
@@ -56,12 +56,12 @@ def main() -> None:
 
     def linears(runner, n: int) -> None:  # every linear layer of a forward on inputs of its shapes, nothing else
         x = torch.randn(n, runner.text_config.hidden_size, dtype=torch.bfloat16)
-        for layer in runner.layers:
+        for layer in runner.weights.layers:
             layer.qkv(x)
             layer.o(torch.randn(n, layer.o.in_features, dtype=torch.bfloat16))
             layer.gate_up(x)
             layer.down(torch.randn(n, layer.down.in_features, dtype=torch.bfloat16))
-        runner.lm_head(x[:n])
+        runner.weights.lm_head(x[:n])
 
     cases = {}  # (dtype, quantized kernel, what) -> case
     for dtype, runner in runners.items():

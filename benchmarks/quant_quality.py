@@ -53,7 +53,7 @@ def main() -> None:
     runner, _ = load_runner(args.model)
     if runner.quantized_weights is None:
         raise SystemExit("this comparison needs quickdraft's quantized CPU kernels (an AVX512-BF16 CPU)")
-    module = runner._cpu_kernels
+    module = runner.kernels
     ids_list = [ids[: args.max_tokens] for ids in prompts(tokenizer, args.prompts)]
     residuals = {"float32": torch.float32, "bf16": torch.bfloat16}
     for name in args.residual.split(","):
@@ -80,7 +80,7 @@ def main() -> None:
             for name, kernel in engines.items():
                 if kernel is not None:
                     module.set_quant_kernel(kernel[0])
-                    runner.residual_dtype = kernel[1]
+                    runner.weights.residual_dtype = kernel[1]
                     logits = runner.forward(runner.new_cache(), tokens, len(ids))
                 else:
                     llama.reset()

@@ -1,11 +1,13 @@
 """quickdraft on a CUDA device: the engine's promises where the forwards, caches, sampling and verification all
-run on the GPU (torch's ops: cuBLAS matmuls, the Python layer loop, tree attention by masks). Greedy speculation
-gives plain decoding's tokens for every draft method, chains and trees, alone and batched; sampled speculation
-follows the target's exact law; a request's seed gives the same text with speculation on or off; a GGUF file's
-blocks load onto the GPU; with CUDA graphs (QUICKDRAFT_CUDA_GRAPHS=1) the tokens are the eager loop's.
+run on the GPU, on the CUDA runner (models/cuda_runner.py: static shapes, every forward of 64 rows or fewer a
+CUDA graph, by default). Greedy speculation gives plain decoding's tokens for every draft method, chains and
+trees, alone and batched; sampled speculation follows the target's exact law; a request's seed gives the same
+text with speculation on or off; a GGUF file's blocks load onto the GPU; the graphs' tokens are the same runner's
+eager ones.
 
 Skipped where torch sees no GPU (CI never has one): `benchmarks/gpu_check.sh` runs it on a lent one.
-QUICKDRAFT_TEST_DEVICE=cpu runs the same tests on the CPU, to check the tests themselves."""
+QUICKDRAFT_TEST_DEVICE=cpu runs the same tests on the CPU, every native runner a CUDA runner there too (its
+static path, eagerly), to check the tests and that path."""
 
 from __future__ import annotations
 
@@ -17,10 +19,18 @@ import torch
 
 from conftest import tiny_gemma3, tiny_llama
 from quickdraft import LLM, SamplingParams
+from quickdraft.models import factory
+from quickdraft.models.cuda_runner import CudaRunner
 from test_engine import _chi_square_pvalue, _exact_three_token_law, _reference_greedy
 
 DEVICE = os.environ.get("QUICKDRAFT_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True)
+def cuda_runners(monkeypatch):
+    """Every native runner the tests build is a CUDA runner: the factory's choice on CUDA, forced on the CPU."""
+    monkeypatch.setattr(factory, "backend_for", lambda weights: CudaRunner)
 
 PROMPT = [5, 9, 3, 7, 5, 9, 3, 1, 2, 5, 9]
 # Repetitive prompts: the lookups (ngram, suffix) find earlier continuations of their last tokens.
@@ -87,7 +97,7 @@ def test_bfloat16_greedy_and_seeded_speculation_equal_plain(method):
                                          "tree": {"max_nodes": 6, "max_depth": 3}}),
     (dict(temperature=1.2, top_k=5, frequency_penalty=0.6), {"method": "ngram", "num_speculative_tokens": 3}),
 ], ids=["t1-draft", "topp-penalties-draft", "minp-draft-tree", "topk-freq-ngram"])
-def test_sampled_first_three_tokens_follow_the_target_law(params, config):
+def test_sampled_first_three_tokens_follow_the_target_law(params, config, max_num_seqs: int = 64):
     """Chi-square goodness of fit of 3000 speculative samples drawn on the device against the exact law.
     Seeds are fixed; the test fails at p < 1e-4 (a false alarm rate of 1e-4 for each sample set)."""
     n = 3000
@@ -98,13 +108,20 @@ def test_sampled_first_three_tokens_follow_the_target_law(params, config):
     law = _exact_three_token_law(target, prompt, sp)
     if config["method"] == "draft_model":
         config = {**config, "model": draft}
-    llm = LLM(target, dtype="float32", device=DEVICE, speculative_config=config, seed=99)
+    llm = LLM(target, dtype="float32", device=DEVICE, speculative_config=config, seed=99, max_num_seqs=max_num_seqs)
     out = llm.generate({"prompt_token_ids": prompt}, sp)[0]
     samples = Counter(tuple(c.token_ids) for c in out.outputs)
     assert sum(samples.values()) == n and all(len(k) == 3 for k in samples)
     assert out.metrics.proposed_tokens > 0
     pvalue = _chi_square_pvalue(samples, law, n)
     assert pvalue > 1e-4, (config, pvalue)
+
+
+def test_the_sampled_law_in_batches_of_graphed_steps():
+    """The first law test's samples drawn 8 sequences a step: steps of 8 x 4 rows, within the graphs' buckets
+    (64 sequences a step, the default, make forwards of more rows, which run eagerly)."""
+    test_sampled_first_three_tokens_follow_the_target_law(
+        dict(temperature=1.0), {"method": "draft_model", "num_speculative_tokens": 3}, max_num_seqs=8)
 
 
 def test_a_gguf_file_loads_onto_the_device(tmp_path):
@@ -141,19 +158,22 @@ def test_a_gguf_file_loads_onto_the_device(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
-@pytest.mark.parametrize("method", ["none", "draft_model", "ngram"])
-def test_cuda_graphs_decode_as_the_eager_loop(method, dtype, monkeypatch):
-    """QUICKDRAFT_CUDA_GRAPHS=1: one sequence's forwards (decoding steps, verifications, the draft's steps) are
-    captured and replayed; greedy and seeded tokens equal the eager loop's, one sequence at a time and batched."""
+@pytest.mark.parametrize("method", ["none", "draft_model", "ngram", "draft_model-tree"])
+def test_cuda_graphs_decode_as_the_eager_loop(method, dtype):
+    """By default the CUDA runner captures its forwards (decoding steps, verifications, trees, the draft's steps,
+    batches of them) and replays them; greedy and seeded tokens equal the same runner's eager forwards (the same
+    kernels), one sequence at a time and batched."""
     target = tiny_llama(seed=0).to(dtype)
-    config = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
-    if method == "draft_model":
-        config["model"] = tiny_llama(seed=0 if dtype == torch.bfloat16 else 1).to(dtype)
+    draft = tiny_llama(seed=0 if dtype == torch.bfloat16 else 1).to(dtype)
+    config = {key: value for key, value in _methods(draft)[method].items() if key != "num_speculative_tokens"}
+    config.update(num_speculative_tokens=4, adaptive=False)
     eager = LLM(target, device=DEVICE, speculative_config=config)
-    monkeypatch.setenv("QUICKDRAFT_CUDA_GRAPHS", "1")
+    runners = [eager.target] + ([eager.proposer.runner] if method.startswith("draft_model") else [])
+    for runner in runners:
+        runner.capture_graphs = False
     graphed = LLM(target, device=DEVICE, speculative_config=config)
     on_cuda = graphed.device.type == "cuda"
-    assert graphed.target.cuda_graphs == on_cuda
+    assert isinstance(graphed.target, CudaRunner) and graphed.target.capture_graphs == on_cuda
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     for params in ([SamplingParams(temperature=0, max_tokens=32)] * 3,
                    [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=s) for s in range(3)]):
@@ -162,13 +182,7 @@ def test_cuda_graphs_decode_as_the_eager_loop(method, dtype, monkeypatch):
             graphed.max_num_seqs = batch
             assert [o.outputs[0].token_ids for o in graphed.generate(prompts, params)] == want, (params[0], batch)
     if on_cuda:
-        assert graphed.target._graphs  # steps were replayed graphs
-        if method == "draft_model":
-            assert graphed.proposer.runner._graphs
-
-
-def test_cuda_graphs_keep_the_sampled_law(monkeypatch):
-    """The first law test above with every one-sequence forward a replayed CUDA graph."""
-    monkeypatch.setenv("QUICKDRAFT_CUDA_GRAPHS", "1")
-    test_sampled_first_three_tokens_follow_the_target_law(
-        dict(temperature=1.0), {"method": "draft_model", "num_speculative_tokens": 3})
+        assert graphed.target.graph_replays > 0  # steps were replayed graphs
+        if method.startswith("draft_model"):
+            assert graphed.proposer.runner.graph_replays > 0
+    assert all(runner.graph_replays == 0 for runner in runners)

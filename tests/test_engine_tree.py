@@ -19,7 +19,7 @@ from quickdraft.drafts.none import NoDraft
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import cpu_linear
-from quickdraft.models.native import NativeRunner
+from quickdraft.models.factory import native_runner
 from quickdraft.params import SamplingParams
 from quickdraft.sampling import PenaltyHistory, process
 from quickdraft.token_tree import ChildSelection, TokenTree
@@ -93,7 +93,7 @@ class RandomTreeProposer(Proposer):
 
 @pytest.fixture(scope="module")
 def runner():
-    return NativeRunner(tiny_llama16(seed=0).to(torch.bfloat16))
+    return native_runner(tiny_llama16(seed=0).to(torch.bfloat16))
 
 
 def _plain(runner, prompt, params, key=None, generator=None):
@@ -152,7 +152,7 @@ def test_tree_output_equals_plain_output_on_the_torch_forwards(kind):
     from quickdraft.models.hf import HFRunner
 
     model = tiny_llama16(seed=0)
-    runner = NativeRunner(model) if kind == "native-float32" else HFRunner(model)
+    runner = native_runner(model) if kind == "native-float32" else HFRunner(model)
     sp = SamplingParams(max_tokens=20, temperature=0)
     expected = [_plain(runner, p, sp) for p in PROMPTS[:2]]
     oracle = {}
@@ -239,7 +239,7 @@ def _tree_law_pvalue(params):
     """The first four tokens of 4000 samples against the exact law of plain sampling: the prompt's step gives the
     first, one tree step of depth up to 2 (max_tokens leaves room for no more) and what follows give the rest
     (recursive rejection sampling over deterministic children). Seeds fixed; fails at p < 1e-4."""
-    runner = NativeRunner(_tiny_vocab_llama().to(torch.bfloat16))
+    runner = native_runner(_tiny_vocab_llama().to(torch.bfloat16))
     n, length = N_SAMPLES, 4
     prompt = [1, 2, 3, 1]
     sp = SamplingParams(max_tokens=length, **params)

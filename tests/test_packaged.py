@@ -123,11 +123,11 @@ def test_native_runner_matches_transformers_on_packaged_models(fixture, request)
     import torch
 
     from quickdraft.cache import SequenceCache
-    from quickdraft.models.native import NativeRunner
+    from quickdraft.models.decoder import DecoderRunner
     from quickdraft.models.hf import HFRunner
 
     llm = request.getfixturevalue(fixture)
-    assert isinstance(llm.target, NativeRunner)
+    assert isinstance(llm.target, DecoderRunner)
     ids = torch.tensor(llm.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"])
     native = llm.target.forward(llm.target.new_cache(), ids, len(ids))
     reference = HFRunner(llm.target.model).forward(SequenceCache(), ids, len(ids))

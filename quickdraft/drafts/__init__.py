@@ -32,7 +32,7 @@ BUILT_IN: tuple[type[Proposer], ...] = (
     EagleProposer, ModelLookupProposer)
 PROPOSERS: dict[str, type[Proposer]] = {cls.name: cls for cls in BUILT_IN}
 METHODS = tuple(PROPOSERS)  # the built-in methods' names
-QUANTIZATIONS = QUANTIZATION_SCHEMES  # what NativeRunner.quantized builds
+QUANTIZATIONS = QUANTIZATION_SCHEMES  # what a native runner's quantized() builds
 ACCEPTANCES = ("exact", "relaxed")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 

@@ -50,7 +50,8 @@ from quickdraft.drafts.suffix import SuffixOptions, SuffixProposer, SuffixState,
 from quickdraft.drafts.trees import DynamicTree, grow_trees, ranks_on_part, tree_proposal
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.linear import DenseLinear
-from quickdraft.models.native import NativeRunner, supports
+from quickdraft.models.factory import native_runner
+from quickdraft.models.weights import supports
 from quickdraft.sequence import DraftState
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "heads"
@@ -261,7 +262,7 @@ class EagleProposer(Proposer):
         reason = supports(model)
         if reason:
             raise QuickdraftError(f"eagle: the head of this family cannot run natively ({reason})")
-        self.runner = NativeRunner(model, name=f"{target.name}[eagle head]")
+        self.runner = native_runner(model, name=f"{target.name}[eagle head]")
         self.fc = DenseLinear(head.fc.weight.detach().to(device=target.device, dtype=target.dtype).contiguous())
         self.vocab_ids = head.vocab_ids.to(target.device)  # [V'] target ids of the head's rows
         self.target_vocab_size = target.vocab_size

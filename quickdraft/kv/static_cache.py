@@ -28,14 +28,12 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
 
     BLOCK = BLOCK_SIZE
 
-    def __init__(self, runner: Any):  # a quickdraft.models.native.NativeRunner
+    def __init__(self, runner: Any):  # a runner of quickdraft.models.decoder (it declares the layout)
         super().__init__()
         self._runner = runner
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.pool: KVPool | None = None  # granting this cache's growth; None: no budget
-        # Whether every slot past the sequence holds a finite number (allocated zeroed, or zero_free_slots since).
-        self.free_slots_finite = True
         # The prefix digests of its first full blocks (PrefixCache's bookkeeping; cut on rollback).
         self.block_digests: list[bytes] = []
 
@@ -71,35 +69,28 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
             want = self.pool.grant(self, self.bytes_per_token, need, want)  # raises KVPoolFull below `need`
         self._resize(want)
 
-    def _resize(self, capacity: int) -> None:
+    def _allocate(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values for `capacity` positions in the runner's layout, uninitialised (a runner's own cache
+        class may allocate otherwise: models/cuda_runner.py's starts zeroed, with a slot to spare)."""
         r = self._runner
         shape = (r.num_layers, r.num_kv_heads, capacity, r.head_dim)
-        # The position-independent forwards (CUDA graphs) attend over every slot, masked: the slots not yet
-        # written must hold finite numbers (0 x NaN is NaN), so their caches start zeroed.
-        allocate = torch.zeros if getattr(r, "cuda_graphs", False) else torch.empty
-        self.free_slots_finite = allocate is torch.zeros
-        values = allocate(shape, dtype=r.dtype, device=r.device)
+        values = torch.empty(shape, dtype=r.dtype, device=r.device)
         if r.packed_keys:  # each head's keys packed like a weight (see kernels/cpu_attention.cpp)
             keys = torch.empty((r.num_layers, r.num_kv_heads, capacity // 16, r.head_dim // 2, 16, 2),
                                dtype=r.key_dtype, device=r.device)
         else:
-            keys = allocate(shape, dtype=r.dtype, device=r.device)
+            keys = torch.empty(shape, dtype=r.dtype, device=r.device)
+        return keys, values
+
+    def _resize(self, capacity: int) -> None:
+        r = self._runner
+        keys, values = self._allocate(capacity)
         if self.keys is not None:
             used = len(self)
             filled = -(-used // 16) if r.packed_keys else used  # blocks of 16 positions, or positions
             keys[:, :, :filled] = self.keys[:, :, :filled]
             values[:, :, :used] = self.values[:, :, :used]
         self.keys, self.values = keys, values
-
-    def zero_free_slots(self) -> None:
-        """Zero the slots past the sequence (unpacked keys and values): the position-independent forward attends
-        over every slot under a mask, and 0 x NaN from uninitialised memory would be NaN."""
-        if self.values is None or self._runner.packed_keys:
-            return
-        used = len(self)
-        self.keys[:, :, used:].zero_()
-        self.values[:, :, used:].zero_()
-        self.free_slots_finite = True
 
     def rollback(self, length: int) -> None:
         super().rollback(length)

@@ -1,10 +1,14 @@
 """The Runner protocol: a causal LM behind one small interface, each sequence with its own cache.
 
-A runner is stateless across sequences; each sequence owns a SequenceCache. forward_batch takes several
-sequences at once (one model call for all on the native runner, models/native.py; one call per sequence on
-the transformers runner, models/hf.py, behind the same interface), so that batching requests changes the
-runner, not its callers. What callers need to know of a runner (its kind, config, weight bytes, kept-quantized
-blocks, whether rows are computed alike) is declared here, so that no caller probes for it.
+A runner is stateless across sequences; each sequence owns a SequenceCache of the runner's own class (new_cache).
+forward_batch takes several sequences at once (one model call for all on quickdraft's decoder, one call per
+sequence on the transformers runner, models/hf.py, behind the same interface), so that batching requests changes
+the runner, not its callers. There is one runner class per backend, each with its own forward and cache layout,
+none switched by flags: quickdraft's decoder as CpuKernelRunner (models/cpu_runner.py, the C++ layer loop),
+TorchRunner (models/torch_runner.py, eager torch, the reference) and CudaRunner (models/cuda_runner.py, static
+shapes and CUDA graphs), sharing one DecoderWeights (models/weights.py); models/factory.py picks among them.
+What callers need to know of a runner (its kind and backend, config, weight bytes, kept-quantized blocks,
+whether rows are computed alike) is declared here, so that no caller probes for it.
 """
 
 from __future__ import annotations
@@ -82,17 +86,20 @@ class TreeAttention:
         return TreeAttention(base, tuple(base - 1 if p < 0 else base + int(p) for p in tree_parents))
 
 
-# The weight-only quantizations a runner's quantized(scheme) takes (the native runner's; see models/linear.py).
+# The weight-only quantizations a runner's quantized(scheme) takes (quickdraft's decoder's; see models/linear.py).
 QUANTIZATION_SCHEMES = ("int8", "q4")
 
 
 @runtime_checkable
 class Runner(Protocol):
-    """What the engine, the drafts, the bench and the tools use of a model: quickdraft's native decoder
-    (models/native.py) and the transformers forward (models/hf.py) both provide it."""
+    """What the engine, the drafts, the bench and the tools use of a model: quickdraft's own decoder (the runners
+    of models/decoder.py) and the transformers forward (models/hf.py) all provide it."""
 
     name: str
     kind: str  # "native" (quickdraft's own decoder) or "hf" (the transformers forward)
+    # The backend that computes it, one runner class each: "cpu-kernels", "torch", "cuda" (quickdraft's decoder)
+    # or "transformers".
+    backend: str
     model: nn.Module  # the transformers model it was built from (a native runner may have released weights of it)
     text_config: PretrainedConfig  # the decoder's transformers config (models/config.get_text_config)
     vocab_size: int

@@ -1,4 +1,13 @@
-"""Which runner a model gets: the native decoder where its architecture has one, else the transformers forward."""
+"""Which runner a model gets: quickdraft's own decoder where its architecture has one, on the backend its device,
+dtype and this machine's kernels call for; else the transformers forward.
+
+The backend (models/decoder.py) is chosen here and nowhere else:
+- CUDA: CudaRunner (models/cuda_runner.py), static shapes, every forward a CUDA graph;
+- a CPU with quickdraft's kernels (AVX512-BF16) and bf16 weights of kernel-sized heads: CpuKernelRunner
+  (models/cpu_runner.py), the C++ layer loop;
+- anything else (float32, other CPUs, QUICKDRAFT_NO_KERNELS=1, other devices): TorchRunner
+  (models/torch_runner.py), eager torch ops.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +16,32 @@ from torch import nn
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.base import Runner
+from quickdraft.models.cpu_runner import CpuKernelRunner
+from quickdraft.models.cuda_runner import CudaRunner
+from quickdraft.models.decoder import DecoderRunner
 from quickdraft.models.gguf_weights import QuantizedWeights
 from quickdraft.models.hf import HFRunner
 from quickdraft.models.loader import load_for_runner, resolve
-from quickdraft.models.native import NativeRunner, supports
+from quickdraft.models.torch_runner import TorchRunner
+from quickdraft.models.weights import DecoderWeights, supports
 
 RUNNERS = ("auto", "native", "hf")
+
+
+def backend_for(weights: DecoderWeights) -> type[DecoderRunner]:
+    """The decoder runner class for these weights: by device, dtype and the kernels this machine has."""
+    if weights.device.type == "cuda":
+        return CudaRunner
+    if CpuKernelRunner.runs(weights):
+        return CpuKernelRunner
+    return TorchRunner
+
+
+def native_runner(model: nn.Module, name: str = "model", quantized: QuantizedWeights | None = None) -> DecoderRunner:
+    """quickdraft's own decoder for `model` (Llama family, Gemma 3), on the backend backend_for picks; a
+    QuickdraftError naming the reason where the model's family or config has none."""
+    weights = DecoderWeights(model, name, quantized)
+    return backend_for(weights)(weights, name)
 
 
 def make_runner(model: nn.Module, name: str, kind: str = "auto", quantized: QuantizedWeights | None = None) -> Runner:
@@ -25,7 +54,7 @@ def make_runner(model: nn.Module, name: str, kind: str = "auto", quantized: Quan
         return HFRunner(model, name=name)
     reason = supports(model)
     if reason is None:
-        return NativeRunner(model, name=name, quantized=quantized)
+        return native_runner(model, name, quantized)
     if kind == "native":
         raise QuickdraftError(f"{name}: {reason}; use runner='auto' or 'hf'")
     return HFRunner(model, name=name)

@@ -3,9 +3,9 @@
 Every family is a stack of pre-norm decoder layers: RMSNorm, attention with RoPE (grouped-query, optionally
 q/k/v/o biases and per-head q/k norms), a residual add, RMSNorm, a gated MLP (optionally with biases), a
 residual add; then a final RMSNorm and the output head (tied or not). What differs between families is
-listed in FamilySettings, and NativeRunner (native.py) reads these settings instead of testing family names.
+listed in FamilySettings, and DecoderWeights (weights.py) reads these settings instead of testing family names.
 
-A config feature that changes the math and is not listed here is refused by native.supports(), so the model
+A config feature that changes the math and is not listed here is refused by weights.supports(), so the model
 runs on the transformers forward instead (tests/models/test_families.py checks both: the features each family
 claims against transformers, and the refusals).
 

@@ -1,6 +1,6 @@
 """The transformers runner: any transformers causal LM behind the Runner protocol (models/base.py), with an
 incremental DynamicCache per sequence, one model call per sequence (batch 1 behind the batched interface).
-Models the native runner (models/native.py) has no decoder for run here, and so do the transformers baselines.
+Models quickdraft's own decoder (models/decoder.py) has no runner for run here, and so do the transformers baselines.
 A token tree's rows (models.base.TreeAttention) go through the model's own attention as a 4-D additive mask and
 position ids (models/tree_mask.py), one mask per layer type where the layers' windows differ.
 """
@@ -25,6 +25,7 @@ class HFRunner:
     """Any transformers causal LM, with an incremental DynamicCache per sequence (a Runner)."""
 
     kind = "hf"
+    backend = "transformers"
     quantized_weights = None  # transformers has no kernels for a GGUF file's blocks: it runs dequantized weights
     quant_kernel_in_use = None
 
@@ -149,7 +150,7 @@ class HFRunner:
     def forward_batch(self, caches: list[SequenceCache], tokens: list[torch.Tensor],
                       num_logits: list[int], return_hidden: bool = False,
                       trees: list[TreeAttention | None] | None = None):
-        """forward over several sequences, as NativeRunner.forward_batch: sequence i appends tokens[i] [n_i]
+        """forward over several sequences, as the native runners' forward_batch: sequence i appends tokens[i] [n_i]
         and gives the logits of its last num_logits[i] inputs; returns them concatenated in order,
         [sum(num_logits), V] float32 (with return_hidden, and every row's final hidden state [sum(n_i), hidden]).
         trees: per sequence None or the TreeAttention its rows form (Runner.forward_batch).

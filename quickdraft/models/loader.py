@@ -232,7 +232,7 @@ def _load_direct(source: ModelSource, dtype: torch.dtype):
     """(skeleton, tokenizer, packed weights) read straight from the GGUF file, or None where the architecture
     has no native runner (the caller takes the transformers path)."""
     from quickdraft.models import gguf_loader
-    from quickdraft.models.native import supports
+    from quickdraft.models.weights import supports
 
     path = source.gguf_path
     try:

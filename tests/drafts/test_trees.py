@@ -418,13 +418,13 @@ def test_draft_model_tree_on_the_kernels_is_the_tree_of_its_paths_in_a_line(view
     view and an int8 draft (quantized) too."""
     from conftest import tiny_llama16
     from quickdraft.kernels import cpu_linear
-    from quickdraft.models.native import NativeRunner
+    from quickdraft.models.factory import native_runner
 
     if cpu_linear() is None:
         pytest.skip("the CPU kernels need AVX512-BF16")
     model = tiny_llama16().to(torch.bfloat16)
     runner = {"whole": lambda r: r, "layer_skip": lambda r: r.truncated(1),
-              "int8": lambda r: r.quantized("int8")}[view](NativeRunner(model))
+              "int8": lambda r: r.quantized("int8")}[view](native_runner(model))
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (21,), generator=torch.Generator().manual_seed(3)).tolist()
     proposals, seconds, kept = [], [], []

@@ -15,7 +15,7 @@ from quickdraft import LLM, SamplingParams
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import cpu_linear
 from quickdraft.kv import BLOCK_SIZE, KVPool, PrefixCache
-from quickdraft.models.native import NativeRunner
+from quickdraft.models.factory import native_runner
 from conftest import tiny_gemma16, tiny_llama16
 
 needs_kernels = pytest.mark.skipif(cpu_linear() is None, reason="quickdraft's CPU kernels need AVX512-BF16")
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.
 
 
 def _bf16_runner(build=tiny_llama16):
-    return NativeRunner(build(seed=0).to(torch.bfloat16), "tiny")
+    return native_runner(build(seed=0).to(torch.bfloat16), "tiny")
 
 
 def _tokens(n, seed, vocab=48):
@@ -66,7 +66,7 @@ def test_a_loaded_prefix_is_bitwise_a_fresh_prefill(build):
 
 
 def test_load_leaves_the_last_token_to_compute_and_needs_an_exact_prefix():
-    runner = NativeRunner(tiny_llama(seed=0), "tiny")  # float32, torch path: the bookkeeping is the same
+    runner = native_runner(tiny_llama(seed=0), "tiny")  # float32, torch path: the bookkeeping is the same
     prefix = PrefixCache(runner)
     ids = _tokens(48, seed=5, vocab=32)
     cache = runner.new_cache()
@@ -84,7 +84,7 @@ def test_load_leaves_the_last_token_to_compute_and_needs_an_exact_prefix():
 
 
 def test_rolled_back_blocks_are_not_kept_and_eviction_takes_tails_first():
-    runner = NativeRunner(tiny_llama(seed=0), "tiny")
+    runner = native_runner(tiny_llama(seed=0), "tiny")
     prefix = PrefixCache(runner, max_blocks=3)
     cache = runner.new_cache()
     a = _tokens(40, seed=6, vocab=32)
@@ -105,7 +105,7 @@ def test_rolled_back_blocks_are_not_kept_and_eviction_takes_tails_first():
 
 
 def test_kept_blocks_take_free_pool_bytes_and_are_reclaimed_before_a_grant_fails():
-    runner = NativeRunner(tiny_llama(seed=0), "tiny")
+    runner = native_runner(tiny_llama(seed=0), "tiny")
     block_bytes = 16 * runner.num_layers * runner.num_kv_heads * runner.head_dim * 2 * 4
     pool = KVPool(block_bytes // 16, 6 * block_bytes)  # 6 blocks in all
     prefix = PrefixCache(runner, pool)
@@ -211,7 +211,7 @@ def test_prefix_caching_is_off_by_default_where_rows_are_not_computed_alike():
 def test_a_block_whose_parent_was_evicted_is_not_kept():
     """A kept block's parent is always kept: a running cache whose first blocks were evicted since it stored
     them adds no more blocks (they could never be found), and only its findable head is touched."""
-    runner = NativeRunner(tiny_llama(seed=0), "tiny")
+    runner = native_runner(tiny_llama(seed=0), "tiny")
     prefix = PrefixCache(runner, max_blocks=2)
     cache = runner.new_cache()
     a = _tokens(60, seed=8, vocab=32)

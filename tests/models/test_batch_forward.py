@@ -1,4 +1,4 @@
-"""One target forward over many sequences (NativeRunner.forward_batch, HFRunner.forward_batch).
+"""One target forward over many sequences (the decoder runners' forward_batch, HFRunner.forward_batch).
 
 On the CPU kernels (bf16) a token's row is computed alike whatever the other rows of a call, so a batch of
 sequences in prefill, decoding and verification gives bitwise the logits and cache contents of each sequence
@@ -12,7 +12,9 @@ from quickdraft.cache import SequenceCache
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import cpu_linear
 from quickdraft.models.hf import HFRunner
-from quickdraft.models.native import NativeRunner
+from quickdraft.models.cuda_runner import CudaRunner
+from quickdraft.models.factory import native_runner
+from quickdraft.models.torch_runner import TorchRunner
 
 needs_kernels = pytest.mark.skipif(cpu_linear() is None, reason="quickdraft's CPU kernels need AVX512-BF16")
 BUILDS = {"llama16": tiny_llama16, "gemma16": tiny_gemma16, "qwen2": tiny_qwen2}  # gemma16: sliding window 4
@@ -64,8 +66,8 @@ def _run_steps(runner, steps, compare, use_decoder=True):
             alone[i].rollback(length)
         tokens = [torch.randint(0, vocab, (n,), generator=generator) for _, n, _ in feeds]
         forwards = runner.forwards
-        logits = runner.forward_batch([batched[i] for i, _, _ in feeds], tokens, [k for _, _, k in feeds],
-                                      use_decoder=use_decoder)
+        options = {} if use_decoder else {"use_decoder": False}  # (a CPU-kernel runner's option)
+        logits = runner.forward_batch([batched[i] for i, _, _ in feeds], tokens, [k for _, _, k in feeds], **options)
         assert runner.forwards == forwards + 1  # one model call for the whole batch
         expected = torch.cat([runner.forward(alone[i], ids, k) for (i, _, k), ids in zip(feeds, tokens)])
         assert logits.shape == (sum(k for _, _, k in feeds), vocab) and logits.dtype == torch.float32
@@ -89,8 +91,8 @@ def _view(runner, view):
 @pytest.mark.parametrize("view", ["full", "truncated", "int8"])
 @pytest.mark.parametrize("name", sorted(BUILDS))
 def test_bf16_batch_is_bitwise_each_sequence_alone(name, view):
-    runner = _view(NativeRunner(BUILDS[name]().to(torch.bfloat16)), view)
-    assert runner._native_decoder() is not None  # the C++ layer loop
+    runner = _view(native_runner(BUILDS[name]().to(torch.bfloat16)), view)
+    assert runner.decoder() is not None  # the C++ layer loop
     steps = INT8_STEPS if view == "int8" else DENSE_STEPS
     _run_steps(runner, steps, _bitwise)
     # The same batches through the Python layer loop on the same kernels: the same bits.
@@ -98,9 +100,14 @@ def test_bf16_batch_is_bitwise_each_sequence_alone(name, view):
 
 
 @pytest.mark.parametrize("name", sorted(BUILDS))
-def test_float32_batch_matches_each_sequence_alone(name):
-    runner = NativeRunner(BUILDS[name]())
-    assert runner._native_decoder() is None  # the Python loop on torch ops
+@pytest.mark.parametrize("backend", ["torch", "static"])
+def test_float32_batch_matches_each_sequence_alone(name, backend):
+    """The torch reference runner, and the CUDA runner's static path (run eagerly on the CPU: rows padded to
+    buckets, masks built on the device)."""
+    runner = native_runner(BUILDS[name]())
+    assert isinstance(runner, TorchRunner)  # the Python loop on torch ops
+    if backend == "static":
+        runner = CudaRunner(runner.weights)
 
     def close(a, b):
         if a.dtype.is_floating_point:  # torch's matmuls round a row differently with the number of rows
@@ -115,7 +122,7 @@ def test_float32_batch_matches_each_sequence_alone(name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_batch_matches_each_sequence_alone(dtype):
-    runner = NativeRunner(tiny_gemma16().to("cuda", dtype))
+    runner = native_runner(tiny_gemma16().to("cuda", dtype))
     tolerance = 1e-3 if dtype == torch.float32 else 5e-2
 
     def close(a, b):
@@ -129,7 +136,7 @@ def test_cuda_batch_matches_each_sequence_alone(dtype):
 
 
 def test_linear_layers_take_every_row_of_the_batch_at_once():
-    runner = NativeRunner(tiny_llama16())  # float32: the Python loop, whose calls can be watched
+    runner = native_runner(tiny_llama16())  # float32: the Python loop, whose calls can be watched
     seen: dict[str, list[int]] = {"qkv": [], "gate_up": [], "lm_head": []}
 
     class Watch:
@@ -140,9 +147,9 @@ def test_linear_layers_take_every_row_of_the_batch_at_once():
             seen[self.name].append(x.shape[0])
             return self.linear(x, **options)
 
-    layer = runner.layers[1]
+    layer = runner.weights.layers[1]
     layer.qkv, layer.gate_up = Watch(layer.qkv, "qkv"), Watch(layer.gate_up, "gate_up")
-    runner.lm_head = Watch(runner.lm_head, "lm_head")
+    runner.weights.lm_head = Watch(runner.weights.lm_head, "lm_head")
     caches = [runner.new_cache() for _ in range(3)]
     tokens = [torch.arange(n) for n in (7, 1, 5)]
     logits = runner.forward_batch(caches, tokens, [1, 1, 5])
@@ -175,7 +182,7 @@ def test_hf_runner_batch_is_its_forward_per_sequence():
 @pytest.mark.parametrize("kind", ["native", "hf"])
 def test_bad_batches_are_refused_before_any_cache_changes(kind):
     model = tiny_llama(max_len=32)
-    runner = NativeRunner(model) if kind == "native" else HFRunner(model)
+    runner = native_runner(model) if kind == "native" else HFRunner(model)
     a, b = runner.new_cache(), runner.new_cache()
     runner.forward(a, torch.arange(4), 1)
     cases = [

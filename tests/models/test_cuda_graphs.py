@@ -1,7 +1,9 @@
-"""The position-independent forward (NativeRunner.use_cuda_graphs): one sequence's rows at slots given as a device
-tensor, attention over the cache's whole capacity under a mask built on the device, so no shape depends on the
-position and a CUDA graph can replay it. On the CPU it runs eagerly: these tests check it there against the usual
-forward and through the engine; tests/test_cuda.py checks the graphs themselves on a GPU."""
+"""The CUDA runner's static-shape forward (models/cuda_runner.py) on the CPU, where it runs eagerly: the rows'
+slots, positions and trees travel as device tensors, rows are padded to buckets and write their padding to a
+scratch slot, attention is SDPA over a bucket of the live prefix under a mask built on the device. Checked against
+the torch reference runner (models/torch_runner.py): the same logits to rounding for prefills, steps, rollbacks,
+trees, batches, hidden states and input embeddings, and the engine's tokens, greedy and seeded. The graphs
+themselves need a GPU: tests/test_cuda.py checks them there."""
 
 from __future__ import annotations
 
@@ -11,92 +13,201 @@ import torch
 from conftest import tiny_gemma3, tiny_llama, tiny_llama16
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import QuickdraftError
-from quickdraft.models import native
-from quickdraft.models.native import NativeRunner
+from quickdraft.models import factory
+from quickdraft.models.base import TreeAttention
+from quickdraft.models.cpu_runner import CpuKernelRunner
+from quickdraft.models.cuda_runner import GRAPH_MAX_ROWS, CudaRunner, CudaSequenceCache, kv_bucket, row_bucket
+from quickdraft.models.torch_runner import TorchRunner
+from quickdraft.models.tree_mask import static_visibility, tree_positions, tree_visibility, visible_keys
+from quickdraft.models.weights import DecoderWeights
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
 
 # (rows, logits wanted, positions rolled back first): prefill, decoding steps, verifications, rejections.
 STEPS = [(11, 1, 0), (1, 1, 0), (5, 5, 0), (3, 3, 2), (1, 1, 0), (7, 2, 3), (1, 1, 0)] * 3
 
 
+def _close(got, expected):
+    torch.testing.assert_close(got, expected, atol=1e-4 * max(1.0, expected.abs().max().item()), rtol=1e-4)
+
+
+def _pair(build):
+    """A reference runner and a static-path runner over the same weights."""
+    weights = DecoderWeights(build(seed=0))
+    return TorchRunner(weights), CudaRunner(weights)
+
+
 @pytest.mark.parametrize("build", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
-def test_position_independent_forward_equals_the_usual_one(build):
-    model = build(seed=0)
-    usual, positional = NativeRunner(model), NativeRunner(model)
-    positional.use_cuda_graphs(True)
-    a, b = usual.new_cache(), positional.new_cache()
+def test_static_forward_equals_the_reference(build):
+    reference, static = _pair(build)
+    assert not static.capture_graphs  # on the CPU: eager, no graph
+    a, b = reference.new_cache(), static.new_cache()
     generator = torch.Generator().manual_seed(0)
-    for rows, wanted, dropped in STEPS:
+    for rows, wanted, dropped in STEPS + [(GRAPH_MAX_ROWS + 6, 3, 0)]:  # the last: more rows than a bucket
         if dropped:
             a.rollback(len(a) - dropped)
             b.rollback(len(b) - dropped)
         ids = torch.randint(0, 32, (rows,), generator=generator)
-        expected, got = usual.forward(a, ids, wanted), positional.forward(b, ids, wanted)
+        expected, got = reference.forward(a, ids, wanted), static.forward(b, ids, wanted)
         assert got.shape == expected.shape == (wanted, 32)
-        torch.testing.assert_close(got, expected, atol=1e-4 * max(1.0, expected.abs().max().item()), rtol=1e-4)
-    assert a.token_ids == b.token_ids and positional.forwards == usual.forwards
-    # Its caches start zeroed: attention over every slot must not meet uninitialised NaNs (0 x NaN is NaN).
-    fresh = positional.new_cache()
-    fresh.reserve(16)
-    assert torch.equal(fresh.values, torch.zeros_like(fresh.values))
+        _close(got, expected)
+        used = len(a)
+        _close(b.keys[:, :, :used], a.keys[:, :, :used])  # the live slots hold the same keys and values
+        _close(b.values[:, :, :used], a.values[:, :, :used])
+    assert a.token_ids == b.token_ids and static.forwards == reference.forwards
 
 
-@torch.inference_mode()
-def test_a_cache_made_before_the_path_was_on_gets_its_free_slots_zeroed():
-    runner = NativeRunner(tiny_llama(seed=0))
-    cache, reference = runner.new_cache(), runner.new_cache()
-    for c in (cache, reference):
-        runner.forward(c, torch.arange(10), 1)
-    assert not cache.free_slots_finite  # made with the path off: torch.empty
-    cache.keys[:, :, 10:] = float("nan")  # as uninitialised memory may read
-    cache.values[:, :, 10:] = float("nan")
-    expected = runner.forward(reference, torch.tensor([3, 4]), 2)
-    runner.use_cuda_graphs(True)
-    got = runner.forward(cache, torch.tensor([3, 4]), 2)
-    assert cache.free_slots_finite and not cache.keys.isnan().any() and not cache.values.isnan().any()
-    torch.testing.assert_close(got, expected, atol=1e-4 * max(1.0, expected.abs().max().item()), rtol=1e-4)
+def test_its_caches_start_zeroed_with_a_scratch_slot_that_padded_rows_write():
+    _, static = _pair(tiny_llama)
+    cache = static.new_cache()
+    assert isinstance(cache, CudaSequenceCache)
+    cache.reserve(16)
+    capacity = cache.capacity
+    assert capacity >= 16 and cache.values.shape[2] == capacity + 1  # the scratch slot past the capacity
+    assert torch.equal(cache.values, torch.zeros_like(cache.values))
+    static.forward(cache, torch.arange(3), 1)  # 3 rows padded to 4: the fourth writes the scratch slot
+    assert row_bucket(3) == 4
+    assert cache.values[:, :, :3].abs().sum() > 0 and cache.values[:, :, capacity].abs().sum() > 0
+    assert cache.values[:, :, 3:capacity].abs().sum() == 0  # nothing else written
+    with pytest.raises(QuickdraftError, match="caches its new_cache"):
+        static.forward(TorchRunner(static.weights).new_cache(), torch.arange(3), 1)
 
 
-def test_forwards_of_many_rows_take_the_usual_path(monkeypatch):
-    runner = NativeRunner(tiny_llama(seed=0))
-    runner.use_cuda_graphs(True)
-    calls = []
-    original = runner._positional_forward
-    monkeypatch.setattr(runner, "_positional_forward", lambda *a: calls.append(a[1].shape[0]) or original(*a))
-    cache = runner.new_cache()
-    runner.forward(cache, torch.arange(native.GRAPH_MAX_ROWS + 6) % 32, 1)  # a prefill: eager
-    runner.forward(cache, torch.tensor([3, 4, 5]), 3)
-    assert calls == [3]
+def test_buckets():
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 9, 13, 17, 33, 64, 65)] == [1, 2, 4, 8, 12, 16, 24, 48, 64, 65]
+    assert kv_bucket(1, 1024) == kv_bucket(128, 1024) == 128 and kv_bucket(129, 1024) == 256
+    assert kv_bucket(300, 320) == 320  # within the capacity
+    assert kv_bucket(5000, 1 << 20) == 5120  # a quarter of 4096: at most a quarter more keys than live
 
 
-@pytest.mark.parametrize("method", ["none", "draft_model", "ngram"])
-def test_the_engine_on_position_independent_forwards_decodes_as_usual(method, monkeypatch):
-    """Greedy and seeded, one sequence at a time (the path's case) and two (batched forwards keep the usual path)."""
+@pytest.mark.parametrize("window", [None, 2, 5])
+@pytest.mark.parametrize("start", [7, 9])
+def test_device_built_tree_masks_equal_the_hosts(window, start):
+    """static_visibility from tensors of slots, positions and parents (padded: a bucket of tree slots and padded
+    rows at a slot past the keys) sees what tree_visibility sees for the real rows."""
+    generator = torch.Generator().manual_seed(start)
+    for size in (1, 5, 13):
+        parents = [int(torch.randint(-1, i, (1,), generator=generator)) for i in range(size)]
+        tree = TreeAttention.of_tree(7, parents)  # tree slots 7..; rows from `start` (9: two grown earlier)
+        if start >= tree.end:
+            continue
+        rows, keys = tree.end - start, 32
+        expected = tree_visibility(tree, start, window)  # [rows, end]
+        bucket, padded_rows = row_bucket(size), row_bucket(rows)
+        slots = torch.tensor(list(range(start, tree.end)) + [keys] * (padded_rows - rows))
+        positions = torch.tensor(tree.positions(start, rows) + [0] * (padded_rows - rows))
+        relative = torch.tensor([p - 7 if p >= 7 else -1 for p in tree.parents] + [-1] * (bucket - size))
+        got = static_visibility(slots, positions, keys, window, (relative, torch.tensor([7])))
+        assert torch.equal(got[:rows, :tree.end], expected) and not got[:rows, tree.end:].any()
+        assert got[rows:, 0].all()  # padded rows see something (no row of -inf only)
+        assert torch.equal(tree_positions(tree)[start:], positions[:rows])
+    chain = static_visibility(torch.arange(3, 6), torch.arange(3, 6), 8, window)
+    assert torch.equal(chain, visible_keys(torch.arange(3, 6), 8, window))
+
+
+def _steps():
+    """Batches of three sequences (feeds: (sequence, rows, logits wanted, a tree's parents or None)) with
+    rollbacks before a step: prompts, decoding, chains, a tree, sequences sitting a step out."""
+    return [
+        ({}, [(0, 9, 1, None), (1, 4, 4, None), (2, 6, 0, None)]),
+        ({1: 2}, [(0, 5, 5, [-1, 0, 0, 1, 2]), (1, 1, 1, None), (2, 3, 2, None)]),
+        ({0: 5}, [(2, 1, 1, None), (0, 1, 1, None)]),
+        ({}, [(1, 5, 5, None), (0, 4, 4, [-1, -1, 0, 2]), (2, 1, 1, None)]),
+    ]
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
+@pytest.mark.parametrize("hidden", [False, True], ids=["logits", "hidden"])
+def test_a_batch_with_trees_equals_the_reference(build, hidden):
+    """One static forward over several sequences (chains, trees, prompts; with hidden states and, for the
+    hidden case, input embeddings in place of the tokens' as an EAGLE head gives them)."""
+    reference, static = _pair(build)
+    caches = {runner: [runner.new_cache() for _ in range(3)] for runner in (reference, static)}
+    generator = torch.Generator().manual_seed(1)
+    for rollbacks, feeds in _steps():
+        tokens = [torch.randint(0, 32, (n,), generator=generator) for _, n, _, _ in feeds]
+        embeds = [reference.embed_rows(ids) * 0.5 for ids in tokens] if hidden else None
+        results = []
+        for runner in (reference, static):
+            own = caches[runner]
+            for i, dropped in rollbacks.items():
+                own[i].rollback(len(own[i]) - dropped)
+            trees = [None if parents is None else TreeAttention.of_tree(len(own[i]), parents)
+                     for i, _, _, parents in feeds]
+            results.append(runner.forward_batch([own[i] for i, _, _, _ in feeds], tokens, [k for _, _, k, _ in feeds],
+                                                inputs_embeds=embeds, return_hidden=hidden, trees=trees))
+        if hidden:
+            (a, a_hidden), (b, b_hidden) = results
+            assert b_hidden.shape == a_hidden.shape and b_hidden.dtype == a_hidden.dtype
+            _close(b_hidden, a_hidden)
+        else:
+            a, b = results
+        assert a.shape == b.shape
+        _close(b, a)
+    assert [c.token_ids for c in caches[reference]] == [c.token_ids for c in caches[static]]
+
+
+def test_a_decode_reuses_a_few_shapes():
+    """What a graph is keyed by repeats: 100 decoding steps after a prompt, and K = 4 verifications between
+    them, make a handful of shapes (a cache's growth or a bucket of attended slots starts new ones), so that on
+    a GPU nearly every step replays a graph already captured."""
+    _, static = _pair(tiny_llama)
+    cache = static.new_cache()
+    keys = []
+    original = static._run
+
+    def noting(plan, caches, embeds):
+        keys.append(plan.key(caches))
+        return original(plan, caches, embeds)
+
+    static._run = noting
+    static.forward(cache, torch.arange(20) % 32, 1)
+    for step in range(100):
+        static.forward(cache, torch.tensor([step % 32]), 1)
+        if step % 10 == 0:
+            static.forward(cache, torch.arange(5), 5)
+            cache.rollback(len(cache) - 5)
+    assert len(keys) == 111 and len(set(keys)) <= 8
+
+
+@pytest.mark.parametrize("method", ["none", "draft_model", "ngram", "eagle-tree"])
+def test_the_engine_on_the_static_path_decodes_as_the_reference(method, monkeypatch, tmp_path):
+    """Greedy and seeded, one sequence at a time and two batched, every runner (target, draft model, EAGLE head:
+    trees, hidden states, input embeddings) on the static path: the reference runner's tokens."""
+    from quickdraft.drafts import eagle
+
     target = tiny_llama(seed=0)
+    reference = LLM(target, dtype="float32", device="cpu", speculative_config={"method": "none"})
     config = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
     if method == "draft_model":
         config["model"] = tiny_llama(seed=1)
-    usual = LLM(target, dtype="float32", device="cpu", speculative_config=config)
-    positional = LLM(target, dtype="float32", device="cpu", speculative_config=config)
-    runners = [positional.target] + ([positional.proposer.runner] if method == "draft_model" else [])
-    rows_seen = []
-    for runner in runners:
-        runner.use_cuda_graphs(True)
-        original = runner._positional_forward
-        monkeypatch.setattr(runner, "_positional_forward",
-                            lambda cache, ids, k, original=original: rows_seen.append(len(ids)) or original(cache, ids, k))
+    if method == "eagle-tree":
+        eagle.new_head(reference.target, torch.arange(32), 0).save(tmp_path / "head", {"test": True})
+        config = {"method": "eagle", "model": str(tmp_path / "head"), "num_speculative_tokens": 3,
+                  "tree": {"max_nodes": 6, "max_depth": 3}, "adaptive": False, "eagle_lookup": False}
+    reference = reference.with_speculative_config(config)
+    assert isinstance(reference.target, TorchRunner)
+    monkeypatch.setattr(factory, "backend_for", lambda weights: CudaRunner)
+    static = LLM(target, dtype="float32", device="cpu", speculative_config=config)
+    assert isinstance(static.target, CudaRunner)
+    if method in ("draft_model", "eagle-tree"):
+        assert isinstance(static.proposer.runner, CudaRunner)
     prompts = [{"prompt_token_ids": [5, 9, 3, 7, 5, 9, 3, 1, 2, 5, 9]}, {"prompt_token_ids": [1, 2, 3]}]
     for params in (SamplingParams(temperature=0, max_tokens=32),
                    SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=3)):
-        want = [o.outputs[0].token_ids for o in usual.generate(prompts, params)]
+        want = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
         for batch in (1, 2):
-            positional.max_num_seqs = batch
-            assert [o.outputs[0].token_ids for o in positional.generate(prompts, params)] == want, (params, batch)
-    assert rows_seen and (method == "none" or max(rows_seen) > 1)  # verifications took the path too
+            static.max_num_seqs = batch
+            out = static.generate(prompts, params)
+            assert [o.outputs[0].token_ids for o in out] == want, (params, batch)
+            if method != "none":
+                assert sum(o.metrics.proposed_tokens for o in out) > 0
 
 
-def test_cuda_graphs_are_refused_where_the_cpu_kernels_run():
-    runner = NativeRunner(tiny_llama16(seed=0).to(torch.bfloat16))
-    if not runner.packed_keys:
-        pytest.skip("no CPU kernels here (they need AVX512-BF16)")
-    with pytest.raises(QuickdraftError, match="CUDA graphs"):
-        runner.use_cuda_graphs(True)
+def test_the_factory_picks_the_runner_by_device_dtype_and_kernels():
+    assert type(factory.native_runner(tiny_llama(seed=0))) is TorchRunner  # float32
+    bf16 = factory.native_runner(tiny_llama16(seed=0).to(torch.bfloat16))
+    assert type(bf16) is (CpuKernelRunner if CpuKernelRunner.runs(bf16.weights) else TorchRunner)
+    assert bf16.truncated(2).backend == bf16.backend and bf16.quantized("int8").backend == bf16.backend
+    if torch.cuda.is_available():
+        assert type(factory.native_runner(tiny_llama(seed=0).cuda())) is CudaRunner

@@ -13,7 +13,8 @@ import torch
 from conftest import _sharpen
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import cpu_linear
-from quickdraft.models.native import NativeRunner, supports
+from quickdraft.models.factory import native_runner
+from quickdraft.models.weights import supports
 from quickdraft.models import make_runner
 from quickdraft.models.hf import HFRunner
 
@@ -111,7 +112,7 @@ def _reference(model, ids: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 def test_float32_logits_match_transformers(family, feature):
     model = build(family, FEATURES[family, feature])
     assert supports(model) is None
-    runner = NativeRunner(model)
+    runner = native_runner(model)
     ids = torch.randint(0, 48, (24,), generator=torch.Generator().manual_seed(1))
     cache = runner.new_cache()
     for lo, hi in STEPS:
@@ -128,8 +129,8 @@ def test_bf16_kernel_logits_match_transformers(family, feature):
     exact = _reference(model, ids, 0, 24)  # float32
     model = model.to(torch.bfloat16)
     theirs = _reference(model, ids, 0, 24)  # transformers in bf16
-    runner = NativeRunner(model)
-    assert runner._native_decoder() is not None  # the C++ layer loop takes every case here
+    runner = native_runner(model)
+    assert runner.decoder() is not None  # the C++ layer loop takes every case here
     in_cpp, in_python = runner.new_cache(), runner.new_cache()
     rows = []
     for lo, hi in STEPS:
@@ -171,7 +172,7 @@ def test_unimplemented_features_fall_back_to_transformers(family, feature):
     with pytest.raises(QuickdraftError, match=reason):
         make_runner(model, "m", "native")
     with pytest.raises(QuickdraftError, match=reason):
-        NativeRunner(model)
+        native_runner(model)
 
 
 def test_smollm3_no_rope_layers_mean_what_transformers_means():
@@ -179,8 +180,8 @@ def test_smollm3_no_rope_layers_mean_what_transformers_means():
     model = build("smollm3", {})
     assert model.config.no_rope_layers == [1, 1, 1, 0]
     assert [layer.self_attn.use_rope for layer in model.model.layers] == [1, 1, 1, 0]
-    runner = NativeRunner(model)
-    assert [layer.rope for layer in runner.layers] == ["default", "default", "default", "none"]
+    runner = native_runner(model)
+    assert [layer.rope for layer in runner.weights.layers] == ["default", "default", "default", "none"]
     cos, sin = runner._rope("none", 8)
     assert torch.equal(cos, torch.ones_like(cos)) and torch.equal(sin, torch.zeros_like(sin))
 

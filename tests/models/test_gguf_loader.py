@@ -176,7 +176,7 @@ def test_direct_load_equals_the_transformers_path(tiny_gguf, tmp_path, monkeypat
     """Bitwise: every dense tensor and buffer of the skeleton, every packed matrix, and the logits of the
     native runner on both, for the same file; the packed matrices stay on the meta device."""
     _kernels_or_skip()
-    from quickdraft.models.native import NativeRunner
+    from quickdraft.models.factory import native_runner
 
     monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
     source = loader.resolve(str(tiny_gguf))
@@ -186,7 +186,7 @@ def test_direct_load_equals_the_transformers_path(tiny_gguf, tmp_path, monkeypat
         model, tokenizer, packed = loader.load_for_runner(source, bf16, cpu)
         assert packed is not None and all(p.device.type == "meta" for n, p in model.named_parameters()
                                           if n.endswith("proj.weight"))
-        runners.append(NativeRunner(model, quantized=packed))
+        runners.append(native_runner(model, quantized=packed))
     reference_model, _ = loader.load(source, bf16, cpu)
     reference_packed = loader.quantized_weights(source, reference_model, bf16, cpu)
     real = {n: p for n, p in model.named_parameters() if p.device.type != "meta"}
@@ -196,7 +196,7 @@ def test_direct_load_equals_the_transformers_path(tiny_gguf, tmp_path, monkeypat
     got, want = packed.named(), gguf_weights_named(source, reference_model)
     assert got.keys() == want.keys() and all(torch.equal(got[k].packed, want[k].packed) for k in got)
     assert reference_packed is not None
-    reference = NativeRunner(reference_model, quantized=reference_packed)
+    reference = native_runner(reference_model, quantized=reference_packed)
     ids = torch.tensor([3, 17, 200, 5, 9, 101, 64, 2])
     expected_logits = reference.forward(reference.new_cache(), ids, len(ids))
     for runner in runners:
@@ -212,7 +212,7 @@ def test_layers_of_mixed_types_run_as_through_transformers(arch, dense, tmp_path
     load's runner (its packed parts on meta) gives the transformers path's logits bitwise."""
     _kernels_or_skip()
     from quickdraft.models.linear import BlockLinear, DenseLinear
-    from quickdraft.models.native import NativeRunner
+    from quickdraft.models.factory import native_runner
 
     monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "mixed.gguf"
@@ -220,15 +220,15 @@ def test_layers_of_mixed_types_run_as_through_transformers(arch, dense, tmp_path
     source = loader.resolve(str(path))
     bf16, cpu = torch.bfloat16, torch.device("cpu")
     model, _, packed = loader.load_for_runner(source, bf16, cpu)
-    runner = NativeRunner(model, quantized=packed)
+    runner = native_runner(model, quantized=packed)
     groups = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
               "down": ("ffn_down",)}
-    for layer in runner.layers:
+    for layer in runner.weights.layers:
         for name, parts in groups.items():
             kind = DenseLinear if any(part in dense for part in parts) else BlockLinear
             assert isinstance(getattr(layer, name), kind), (name, dense)
     reference_model, _ = loader.load(source, bf16, cpu)
-    reference = NativeRunner(reference_model, quantized=loader.quantized_weights(source, reference_model, bf16, cpu))
+    reference = native_runner(reference_model, quantized=loader.quantized_weights(source, reference_model, bf16, cpu))
     ids = torch.tensor([3, 17, 200, 5, 9, 101, 64, 2])
     assert torch.equal(runner.forward(runner.new_cache(), ids, len(ids)),
                        reference.forward(reference.new_cache(), ids, len(ids)))
@@ -258,10 +258,10 @@ def gguf_weights_named(source, model):
 
 def test_architecture_without_a_native_runner_takes_the_transformers_path(tiny_gguf, monkeypatch, tmp_path):
     _kernels_or_skip()
-    from quickdraft.models import native
+    from quickdraft.models import weights
 
     monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "supports", lambda model: "no runner (test)")
+    monkeypatch.setattr(weights, "supports", lambda model: "no runner (test)")
     source = loader.resolve(str(tiny_gguf))
     model, _, packed = loader.load_for_runner(source, torch.bfloat16, torch.device("cpu"))
     assert all(p.device.type != "meta" for p in model.parameters())  # the dequantized transformers model
@@ -283,7 +283,7 @@ def test_packaged_models_load_directly_as_through_transformers(alias, tmp_path, 
     """On the packaged models: the direct load's dense tensors, buffers and packed blocks are the transformers
     path's, bitwise, and so are the logits of a prompt and of greedy steps after it."""
     _kernels_or_skip()
-    from quickdraft.models.native import NativeRunner
+    from quickdraft.models.factory import native_runner
 
     shared_cache = os.environ.get("QUICKDRAFT_CACHE")
     monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))  # the direct load converts from scratch
@@ -306,7 +306,7 @@ def test_packaged_models_load_directly_as_through_transformers(alias, tmp_path, 
     prompt = "def fibonacci(n):\n    "
     ids = tokenizer(prompt)["input_ids"]
     assert ids == reference_tokenizer(prompt)["input_ids"]
-    runners = [NativeRunner(model, quantized=packed), NativeRunner(reference_model, quantized=reference_packed)]
+    runners = [native_runner(model, quantized=packed), native_runner(reference_model, quantized=reference_packed)]
     caches = [r.new_cache() for r in runners]
     tokens = [torch.tensor(ids)] * 2
     for _ in range(8):
@@ -367,20 +367,20 @@ def test_load_runner_keeps_the_blocks_or_widens_them_as_asked(tiny_gguf, tmp_pat
     _kernels_or_skip()
     from quickdraft.models.factory import load_runner, make_runner
     from quickdraft.models.hf import HFRunner
-    from quickdraft.models.native import NativeRunner
+    from quickdraft.models.decoder import DecoderRunner
 
     monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
     runner, _ = load_runner(str(tiny_gguf))  # (the tiny file has no tokenizer)
-    assert isinstance(runner, NativeRunner) and runner.quantized_weights is not None
+    assert isinstance(runner, DecoderRunner) and runner.quantized_weights is not None
     model, _, packed = loader.load_for_runner(loader.resolve(str(tiny_gguf)), torch.bfloat16, torch.device("cpu"))
     reference = make_runner(model, "tiny", "native", packed)
     ids = torch.tensor([3, 17, 200, 5])
     assert torch.equal(runner.forward(runner.new_cache(), ids, 4), reference.forward(reference.new_cache(), ids, 4))
     from quickdraft import kernels
 
-    assert runner.quant_kernel_in_use == kernels.quant_kernels(runner.dtype).quant_kernel(runner.quant_kernel)
+    assert runner.quant_kernel_in_use == kernels.quant_kernels(runner.dtype).quant_kernel(runner.weights.quant_kernel)
     widened, _ = load_runner(str(tiny_gguf), keep_quantized=False)
-    assert isinstance(widened, NativeRunner) and widened.quantized_weights is None
+    assert isinstance(widened, DecoderRunner) and widened.quantized_weights is None
     assert widened.quant_kernel_in_use is None
     hf = load_runner(str(tiny_gguf), kind="hf")[0]
     assert isinstance(hf, HFRunner) and hf.quant_kernel_in_use is None

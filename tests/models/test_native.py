@@ -13,7 +13,8 @@ from quickdraft.kernels import cpu_linear, pack
 from quickdraft.models import make_runner
 from quickdraft.models.hf import HFRunner
 from quickdraft.models.linear import BlockLinear, DenseLinear
-from quickdraft.models.native import NativeRunner
+from quickdraft.models.decoder import DecoderRunner
+from quickdraft.models.factory import native_runner
 
 needs_kernels = pytest.mark.skipif(cpu_linear() is None, reason="quickdraft's CPU kernels need AVX512-BF16")
 
@@ -29,7 +30,7 @@ def _vocab(model):
 @pytest.mark.parametrize("name", sorted(BUILDS))
 def test_native_logits_match_transformers_in_float32(name):
     model = BUILDS[name]()
-    native, hf = NativeRunner(model), HFRunner(model)
+    native, hf = native_runner(model), HFRunner(model)
     ids = torch.randint(0, _vocab(model), (24,), generator=torch.Generator().manual_seed(1))
     a_cache, b_cache = native.new_cache(), SequenceCache()
     # A prompt, then steps of several sizes: every row must match the transformers forward.
@@ -42,7 +43,7 @@ def test_native_logits_match_transformers_in_float32(name):
 @pytest.mark.parametrize("name", ["llama16", "gemma16", "qwen2"])
 def test_native_logits_match_transformers_in_bf16(name):
     model = BUILDS[name]().to(torch.bfloat16)
-    native, hf = NativeRunner(model), HFRunner(model)
+    native, hf = native_runner(model), HFRunner(model)
     ids = torch.randint(0, _vocab(model), (20,), generator=torch.Generator().manual_seed(2))
     a = native.forward(native.new_cache(), ids, 20)
     b = hf.forward(SequenceCache(), ids, 20)
@@ -56,7 +57,7 @@ def test_native_logits_match_transformers_in_bf16(name):
 @pytest.mark.parametrize("name", sorted(BUILDS))
 def test_bf16_verification_rows_equal_single_steps_bitwise(name):
     model = BUILDS[name]().to(torch.bfloat16)
-    runner = NativeRunner(model)
+    runner = native_runner(model)
     ids = torch.randint(0, _vocab(model), (20,), generator=torch.Generator().manual_seed(3))
     one_by_one = runner.new_cache()
     runner.forward(one_by_one, ids[:12], 1)
@@ -93,7 +94,7 @@ def test_runner_choice_and_fallback():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     llama = tiny_llama()
-    assert isinstance(LLM(llama).target, NativeRunner)
+    assert isinstance(LLM(llama).target, DecoderRunner)
     assert isinstance(LLM(llama, runner="hf").target, HFRunner)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=32, n_layer=2, n_head=2, n_positions=64)).eval()
     assert isinstance(make_runner(gpt2, "gpt2", "auto"), HFRunner)
@@ -110,9 +111,9 @@ def test_layer_skip_and_quantized_drafts_share_what_they_do_not_change():
     llm = LLM(target, speculative_config={"method": "layer_skip", "num_layers": 2})
     draft, full = llm.proposer.runner, llm.target
     assert draft.num_layers == 2 and full.num_layers == 4
-    assert all(a is b for a, b in zip(draft.layers, full.layers))
+    assert all(a is b for a, b in zip(draft.weights.layers, full.weights.layers))
     quantized = full.quantized("int8")
-    assert quantized.embed is full.embed and quantized.weight_bytes < 0.6 * full.weight_bytes
+    assert quantized.weights.embed is full.weights.embed and quantized.weight_bytes < 0.6 * full.weight_bytes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -275,8 +276,8 @@ def test_kernel_gated_activation_matches_torch_and_is_row_invariant(gelu):
 @needs_kernels
 @pytest.mark.parametrize("name", ["llama16", "gemma16", "qwen2"])
 def test_cpp_decoder_loop_equals_the_python_loop_bitwise(name):
-    runner = NativeRunner(BUILDS[name]().to(torch.bfloat16))
-    assert runner._native_decoder() is not None
+    runner = native_runner(BUILDS[name]().to(torch.bfloat16))
+    assert runner.decoder() is not None
     ids = torch.randint(0, _vocab(runner.model), (30,), generator=torch.Generator().manual_seed(1))
     for view in (runner, runner.quantized("int8"), runner.truncated(1)):
         in_cpp, in_python = view.new_cache(), view.new_cache()
@@ -293,7 +294,7 @@ def test_static_cache_keeps_its_contents_when_it_grows(dtype):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    runner = NativeRunner(LlamaForCausalLM(config).eval().to(dtype))
+    runner = native_runner(LlamaForCausalLM(config).eval().to(dtype))
     ids = torch.randint(0, 48, (300,), generator=torch.Generator().manual_seed(2))
     grown, reserved = runner.new_cache(), runner.new_cache()
     reserved.reserve(300)
@@ -332,21 +333,21 @@ def test_quantized_runner_runs_the_blocks_and_releases_the_dense_copies(name):
     model = BUILDS[name](seed=0).to(torch.bfloat16)
     weights = gguf_blocks_of(model)
     reference = _dequantized_copy(model, weights)
-    runner = NativeRunner(model, quantized=weights)
-    assert runner.quantized_weights is weights and runner.embed is None
+    runner = native_runner(model, quantized=weights)
+    assert runner.quantized_weights is weights and runner.weights.embed is None
     assert all(p.device.type == "meta" for n, p in model.named_parameters() if "proj" in n or "embed" in n)
     # a step streams the blocks, and the output head: the quantized embedding when tied (Gemma), else its own
     # (dense here: the weights have no `output` matrix)
     tied = model.config.tie_word_embeddings
-    head = weights.embedding.nbytes if tied else runner.lm_head.nbytes
-    assert isinstance(runner.lm_head, BlockLinear) == tied
+    head = weights.embedding.nbytes if tied else runner.weights.lm_head.nbytes
+    assert isinstance(runner.weights.lm_head, BlockLinear) == tied
     assert runner.weight_bytes == sum(w.nbytes for w in weights.layers.values()) + head
     prompt = torch.tensor([5, 9, 3, 7, 5, 9, 3, 1, 2])
     logits = runner.forward(runner.new_cache(), prompt, len(prompt))
     exact = HFRunner(reference).forward(SequenceCache(), prompt, len(prompt))
     # bf16 activations (or the int16 kernel's two digits) against float32 ones: within 3% of the largest logit;
     # the int8 kernel's one digit an activation (llama.cpp's way): 8% (measured 5.2% on llama16)
-    tolerance = 0.08 if runner.quant_kernel_in_use.startswith("int8") else 0.03
+    tolerance = 0.08 if runner.weights.quant_kernel_in_use.startswith("int8") else 0.03
     assert (logits - exact).abs().max() <= tolerance * exact.abs().max()
     # verification rows equal single steps bitwise
     cache = runner.new_cache()
@@ -363,9 +364,9 @@ def test_gguf_runner_keeps_a_float32_residual_stream_and_its_cpp_loop_equals_the
     """A runner on GGUF blocks keeps its hidden states in float32 (llama.cpp's way; bf16 as before on request):
     the C++ loop and the Python loop give the same bits either way, verification rows those of single steps."""
     model = BUILDS[name](seed=0).to(torch.bfloat16)
-    runner = NativeRunner(model, quantized=gguf_blocks_of(model))
-    assert runner.residual_dtype == torch.float32 and runner._native_decoder() is not None
-    runner.residual_dtype = residual
+    runner = native_runner(model, quantized=gguf_blocks_of(model))
+    assert runner.weights.residual_dtype == torch.float32 and runner.decoder() is not None
+    runner.weights.residual_dtype = residual
     ids = torch.randint(0, _vocab(model), (30,), generator=torch.Generator().manual_seed(1))
     in_cpp, in_python, steps = runner.new_cache(), runner.new_cache(), runner.new_cache()
     for chunk in (ids[:20], ids[20:21], ids[21:30]):  # a prompt, a step, a verification
@@ -426,8 +427,8 @@ def test_q4_of_gguf_blocks_keeps_4_bit_parts_and_requantizes_the_wider():
     x = torch.randn(3, 256).bfloat16()
     assert torch.equal(q4(x)[:, :32], layer(x)[:, :32])  # the kept part computes the same outputs
     model = tiny_llama16(seed=0).to(torch.bfloat16)  # a runner's q4 view: the same rule, layer by layer
-    runner = NativeRunner(model, quantized=gguf_blocks_of(model))
-    for layer, view in zip(runner.layers, runner.quantized("q4").layers):
+    runner = native_runner(model, quantized=gguf_blocks_of(model))
+    for layer, view in zip(runner.weights.layers, runner.quantized("q4").weights.layers):
         for name in ("qkv", "o", "gate_up", "down"):
             for stored, part in zip(getattr(layer, name).parts, getattr(view, name).parts):
                 assert (part is stored) == (stored.name in ("Q4_0", "Q4_1")) and part.name in ("Q4_0", "Q4_1")
@@ -438,7 +439,7 @@ def test_q4_self_draft_is_4_bit_and_exact():
     target = tiny_llama16()
     full = LLM(target).target
     q4 = full.quantized("q4")
-    assert all(layer.qkv.parts[0].name == "Q4_1" for layer in q4.layers) and q4.embed is full.embed
+    assert all(layer.qkv.parts[0].name == "Q4_1" for layer in q4.weights.layers) and q4.weights.embed is full.weights.embed
     assert q4.weight_bytes < 0.35 * full.weight_bytes
     with pytest.raises(QuickdraftError, match="unknown quantization"):
         full.quantized("q3")
@@ -468,12 +469,12 @@ def test_quantized_weights_cache_round_trip(tmp_path):
 def _head_views():
     """Runners whose output heads are each Linear kind: dense float32 (torch), bf16 on the kernels, int8 and q4
     views, and a GGUF model's blocks (Gemma's tied head: the quantized embedding)."""
-    views = {"float32": NativeRunner(tiny_llama(seed=0))}
+    views = {"float32": native_runner(tiny_llama(seed=0))}
     if cpu_linear() is not None:
-        bf16 = NativeRunner(tiny_llama16(seed=0).to(torch.bfloat16))
+        bf16 = native_runner(tiny_llama16(seed=0).to(torch.bfloat16))
         gemma = tiny_gemma16(seed=0).to(torch.bfloat16)
         views.update({"bf16": bf16, "int8": bf16.quantized("int8"), "q4": bf16.quantized("q4"),
-                      "gguf": NativeRunner(gemma, quantized=gguf_blocks_of(gemma))})
+                      "gguf": native_runner(gemma, quantized=gguf_blocks_of(gemma))})
     return views
 
 
@@ -490,7 +491,7 @@ def test_a_vocabulary_prefix_scores_its_ids_as_the_whole_head_does(kind):
     whole = runner.forward(runner.new_cache(), prompt, len(prompt))
     for n in (runner.vocab_size // 2 + 3, 16):  # odd (inside a group of 16 outputs), and one group
         part = runner.with_vocabulary(n)
-        assert part.vocab_size == n and part.layers is runner.layers and part.weight_bytes < runner.weight_bytes
+        assert part.vocab_size == n and part.weights.layers is runner.weights.layers and part.weight_bytes < runner.weight_bytes
         logits = part.forward(part.new_cache(), prompt, len(prompt))
         if runner.rows_invariant:  # the kernels compute an output alike whatever the others
             assert torch.equal(logits, whole[:, :n]), n
@@ -511,12 +512,12 @@ def test_a_gguf_runner_runs_its_familys_quant_kernel_in_both_loops(name):
     from quickdraft import kernels
 
     model = BUILDS[name](seed=0).to(torch.bfloat16)
-    runner = NativeRunner(model, quantized=gguf_blocks_of(model))
+    runner = native_runner(model, quantized=gguf_blocks_of(model))
     preferred = {"llama16": None, "gemma16": "int8x32", "qwen2": "int8x32"}[name]
-    assert runner.quant_kernel == kernels.model_quant_kernel(preferred)
-    assert all(linear.quant_kernel == runner.quant_kernel for layer in runner.layers
+    assert runner.weights.quant_kernel == kernels.model_quant_kernel(preferred)
+    assert all(linear.quant_kernel == runner.weights.quant_kernel for layer in runner.weights.layers
                for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    if runner._native_decoder() is None:
+    if runner.decoder() is None:
         pytest.skip("no C++ loop for this model here")
     ids = torch.randint(0, _vocab(model), (12,), generator=torch.Generator().manual_seed(2))
     module = cpu_linear()
@@ -524,9 +525,9 @@ def test_a_gguf_runner_runs_its_familys_quant_kernel_in_both_loops(name):
     try:
         in_cpp = runner.forward(runner.new_cache(), ids, len(ids))
         assert torch.equal(in_cpp, runner.forward(runner.new_cache(), ids, len(ids), use_decoder=False))
-        module.set_quant_kernel(module.quant_kernel(runner.quant_kernel))
+        module.set_quant_kernel(module.quant_kernel(runner.weights.quant_kernel))
         assert torch.equal(in_cpp, runner.forward(runner.new_cache(), ids, len(ids)))
-        if runner.quant_kernel:  # the family's choice took effect: the default's bits differ
+        if runner.weights.quant_kernel:  # the family's choice took effect: the default's bits differ
             module.set_quant_kernel("int16")
             assert not torch.equal(in_cpp, runner.forward(runner.new_cache(), ids, len(ids)))
     finally:

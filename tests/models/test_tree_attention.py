@@ -1,9 +1,10 @@
 """Token-tree attention on the torch forwards (issue 25): every node of a tree, fed in one forward, gets the
 logits of its path fed as a plain line; after SequenceCache.compact keeps the accepted path, the cache is that
-line's cache. Checked on the transformers runner (a 4-D mask and position ids) and on the native runner's layer
-loop on torch ops (float32), for Llama, Mistral (a window on every layer) and Gemma 3 (sliding and full layers),
-windows short enough that the deeper nodes lose part of the prefix; then TreeAttention's checks and the
-compaction of each cache layout (transformers' DynamicCache, the static cache plain and packed)."""
+line's cache. Checked on the transformers runner (a 4-D mask and position ids), on the torch reference runner
+(float32) and on the CUDA runner's static path run eagerly (masks built from device tensors), for Llama, Mistral
+(a window on every layer) and Gemma 3 (sliding and full layers), windows short enough that the deeper nodes lose
+part of the prefix; then TreeAttention's checks and the compaction of each cache layout (transformers'
+DynamicCache, the static cache plain and packed)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from quickdraft.kernels import cpu_linear, pack
 from quickdraft.kv.static_cache import StaticSequenceCache
 from quickdraft.models.base import TreeAttention
 from quickdraft.models.hf import HFRunner
-from quickdraft.models.native import NativeRunner
+from quickdraft.models.cuda_runner import CudaRunner
+from quickdraft.models.factory import native_runner
+from quickdraft.models.torch_runner import TorchRunner
 from quickdraft.models.tree_mask import tree_positions, tree_visibility
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
@@ -44,27 +47,18 @@ _built: dict = {}
 
 
 def runner_of(kind: str, model_name: str):
+    """hf: the transformers forward; native: the torch reference runner (float32); static: the CUDA runner's
+    static-shape path, eagerly on the CPU (tree masks built from device tensors, rows padded to buckets)."""
     key = kind, model_name
     if key not in _built:
         model = MODELS[model_name]()
-        _built[key] = HFRunner(model) if kind == "hf" else NativeRunner(model)
+        _built[key] = {"hf": HFRunner, "native": TorchRunner.from_model, "static": CudaRunner.from_model}[kind](model)
     return _built[key]
 
 
 def tree_forward(runner, cache, tokens: torch.Tensor, tree: TreeAttention | None) -> torch.Tensor:
-    """All rows' logits [n, V] of appending `tokens` as `tree` says. The native runner goes through its torch
-    layer loop directly (NativeRunner.forward_batch's steps for one sequence), the transformers one through
-    forward_batch."""
-    n = tokens.shape[0]
-    if isinstance(runner, HFRunner):
-        return runner.forward_batch([cache], [tokens], [n], trees=[tree])
-    with torch.inference_mode():
-        start = len(cache)
-        cache.reserve(start + n)
-        x = runner.embed_rows(tokens)
-        x = runner._layers(x, [cache], [start], [n], [tree])
-        cache.record(tokens)
-        return runner.output_logits(runner._norm(x.contiguous(), runner.final_norm))
+    """All rows' logits [n, V] of appending `tokens` as `tree` says."""
+    return runner.forward_batch([cache], [tokens], [tokens.shape[0]], trees=[tree])
 
 
 def plain_logits(runner, tokens: list[int]) -> torch.Tensor:
@@ -99,7 +93,7 @@ def _tokens(count: int, seed: int) -> list[int]:
 
 
 @pytest.mark.parametrize("model_name", sorted(MODELS))
-@pytest.mark.parametrize("kind", ["hf", "native"])
+@pytest.mark.parametrize("kind", ["hf", "native", "static"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("with_root_row", [False, True])
 def test_every_node_gets_the_logits_of_its_path_as_a_line(kind, model_name, shape, with_root_row):
@@ -125,7 +119,7 @@ def test_every_node_gets_the_logits_of_its_path_as_a_line(kind, model_name, shap
 
 
 @pytest.mark.parametrize("model_name", ["llama", "gemma3"])
-@pytest.mark.parametrize("kind", ["hf", "native"])
+@pytest.mark.parametrize("kind", ["hf", "native", "static"])
 def test_a_tree_grown_in_two_calls_equals_its_paths_then_compacts_to_the_accepted_line(kind, model_name):
     runner = runner_of(kind, model_name)
     parents = SHAPES["deep_wide"]
@@ -151,7 +145,7 @@ def test_a_tree_grown_in_two_calls_equals_its_paths_then_compacts_to_the_accepte
     torch.testing.assert_close(logits, plain_logits(runner, line + after)[-2:], **TOLERANCE)
 
 
-@pytest.mark.parametrize("kind", ["hf", "native"])
+@pytest.mark.parametrize("kind", ["hf", "native", "static"])
 @pytest.mark.parametrize("kept", [[], [0], [0, 1, 2]], ids=["nothing", "first", "chain"])
 def test_compacting_to_a_prefix_of_the_slots_is_a_rollback(kind, kept):
     runner = runner_of(kind, "mistral")
@@ -168,7 +162,7 @@ def test_compacting_to_a_prefix_of_the_slots_is_a_rollback(kind, kept):
                                plain_logits(runner, line + after)[-3:], **TOLERANCE)
 
 
-@pytest.mark.parametrize("kind", ["hf", "native"])
+@pytest.mark.parametrize("kind", ["hf", "native", "static"])
 def test_a_batch_of_a_tree_and_a_line_gives_each_its_own_logits(kind):
     runner = runner_of(kind, "gemma3")
     parents = SHAPES["random"]
@@ -177,16 +171,8 @@ def test_a_batch_of_a_tree_and_a_line_gives_each_its_own_logits(kind):
     runner.forward(tree_cache, torch.tensor(prefix), 1)
     runner.forward(line_cache, torch.tensor(other[:5]), 1)
     trees = [TreeAttention.of_tree(PREFIX, parents), None]
-    if kind == "hf":
-        logits = runner.forward_batch([tree_cache, line_cache], [torch.tensor(nodes), torch.tensor(other[5:])],
-                                      [len(nodes), 4], trees=trees)
-    else:
-        with torch.inference_mode():
-            tree_cache.reserve(PREFIX + len(nodes))
-            line_cache.reserve(9)
-            ids = torch.tensor(nodes + other[5:])
-            x = runner._layers(runner.embed_rows(ids), [tree_cache, line_cache], [PREFIX, 5], [len(nodes), 4], trees)
-            logits = runner.output_logits(runner._norm(x.contiguous(), runner.final_norm))
+    logits = runner.forward_batch([tree_cache, line_cache], [torch.tensor(nodes), torch.tensor(other[5:])],
+                                  [len(nodes), 4], trees=trees)
     for node in range(len(parents)):
         line = prefix + [nodes[i] for i in path_of(parents, node)]
         torch.testing.assert_close(logits[node], plain_logits(runner, line)[-1], **TOLERANCE)
@@ -352,7 +338,7 @@ def test_compact_moves_packed_keys_across_blocks():
 
 @pytest.mark.skipif(cpu_linear() is None, reason="quickdraft's CPU kernels need AVX512-BF16")
 def test_compact_moves_keys_the_kernels_packed():
-    runner = NativeRunner(tiny_llama16().to(torch.bfloat16))
+    runner = native_runner(tiny_llama16().to(torch.bfloat16))
     assert runner.packed_keys
     cache = runner.new_cache()
     ids = torch.randint(0, 48, (36,), generator=torch.Generator().manual_seed(16)).tolist()

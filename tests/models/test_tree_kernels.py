@@ -7,7 +7,7 @@ import torch
 from conftest import gguf_blocks_of, tiny_gemma16, tiny_llama16, tiny_qwen2
 from quickdraft.kernels import cpu_linear
 from quickdraft.models.base import TreeAttention
-from quickdraft.models.native import NativeRunner
+from quickdraft.models.factory import native_runner
 from quickdraft.token_tree import TokenTree
 
 BUILDS = {"llama16": tiny_llama16, "gemma16": tiny_gemma16, "qwen2": tiny_qwen2,
@@ -25,7 +25,7 @@ SHAPES = {
 def _runner(name):
     model = BUILDS[name]().to(torch.bfloat16)
     weights = gguf_blocks_of(model) if name.endswith("-gguf") else None
-    return NativeRunner(model, quantized=weights), model.config.vocab_size
+    return native_runner(model, quantized=weights), model.config.vocab_size
 
 
 def _line(runner, prefix, path_tokens):

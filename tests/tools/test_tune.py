@@ -191,17 +191,17 @@ def forward_clock(monkeypatch):
     every speed tune measures is a function of the forwards run, the same on any machine under any load."""
     import time
 
-    from quickdraft.models.native import NativeRunner
+    from quickdraft.models.decoder import DecoderRunner
 
     now = [0.0]
-    forward_batch = NativeRunner.forward_batch
+    forward_batch = DecoderRunner.forward_batch
 
     def timed_forward_batch(self, caches, tokens, num_logits, **kwargs):
         rows = sum(int(torch.as_tensor(t).numel()) for t in tokens)
         now[0] += self.num_layers * (1 + 0.02 * rows)
         return forward_batch(self, caches, tokens, num_logits, **kwargs)
 
-    monkeypatch.setattr(NativeRunner, "forward_batch", timed_forward_batch)
+    monkeypatch.setattr(DecoderRunner, "forward_batch", timed_forward_batch)
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     return now
 

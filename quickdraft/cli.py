@@ -1,14 +1,13 @@
 """Command line: `quickdraft generate`, `quickdraft serve`, `quickdraft batch`, `quickdraft check`, `quickdraft tune`,
 `quickdraft distill` (and `quickdraft bench`). A thin adapter over the Python API.
 
-Building the parser imports no torch, so that `--help` answers at once: this module imports the API inside the
-commands' functions, and the commands whose modules import torch (tune, distill, bench) get their arguments only
-when they are used (LAZY_COMMANDS)."""
+Building the parser imports no torch (nor transformers), so that `--help` answers at once: this module and each
+command's own command-line module (tools/check/cli.py, tools/tune/cli.py, tools/distill_cli.py, bench/cli.py)
+import the API and the work inside the commands' run functions."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
@@ -494,51 +493,18 @@ def _speedup(spec, plain) -> float | None:
     return spec.tokens_per_s / plain.tokens_per_s if spec.tokens_per_s and plain.tokens_per_s else None
 
 
-# Commands whose modules import torch (tune, distill) or the draft registry (bench's --methods help) as their parsers
-# are built: their one-line help here, their arguments added by the module's function when the command is used.
-LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {  # name: (help, module, function adding the parser)
-    "tune": ("measure drafts and K on your prompts and write the best speculative_config", "quickdraft.tools.tune",
-             "add_parser"),
-    "distill": ("train an EAGLE draft head for a model by self-distillation (then: --draft eagle:HEAD_DIR)",
-                "quickdraft.tools.distill", "add_parser"),
-    "bench": ("benchmark draft methods and baselines on a Spec-Bench dataset", "quickdraft.bench.cli",
-              "add_bench_parser"),
-}
-
-
-class _OneParser:
-    """What a command's add_parser(sub) calls sub.add_parser(name, ...) on: gives back the parser registered for
-    the command already (its one-line help from LAZY_COMMANDS), with the description asked for."""
-
-    def __init__(self, parser: CommandParser) -> None:
-        self.parser = parser
-
-    def add_parser(self, name: str, help: str | None = None, description: str | None = None) -> CommandParser:
-        self.parser.description = description or help
-        return self.parser
-
-
-def _add_lazy_command(module: str, function: str, parser: CommandParser) -> None:
-    getattr(importlib.import_module(module), function)(_OneParser(parser))
-    add_progress_argument(parser)
-
-
-def build_parser(lazy: bool = True) -> argparse.ArgumentParser:
-    """quickdraft's parser. lazy=False adds every command's arguments at once (LAZY_COMMANDS' too, importing
-    torch), for code that reads them."""
+def build_parser() -> argparse.ArgumentParser:
+    """quickdraft's parser, every command's arguments in it (no torch imported)."""
+    from quickdraft.bench.cli import add_bench_parser
     from quickdraft.tools.check.cli import add_parser as add_check_parser
+    from quickdraft.tools.distill_cli import add_parser as add_distill_parser
+    from quickdraft.tools.tune.cli import add_parser as add_tune_parser
 
     parser = CommandParser(prog="quickdraft", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_generate_parser(sub)
-    add_serve_parser(sub)
-    add_batch_parser(sub)
-    add_check_parser(sub)
-    for name, (summary, module, function) in LAZY_COMMANDS.items():
-        command = sub.add_parser(name, help=summary, description=summary)
-        command.build = lambda parser, module=module, function=function: _add_lazy_command(module, function, parser)
-        if not lazy:
-            command.built()
+    for add_command in (add_generate_parser, add_serve_parser, add_batch_parser, add_check_parser, add_tune_parser,
+                        add_distill_parser, add_bench_parser):
+        add_command(sub)
     return parser
 
 

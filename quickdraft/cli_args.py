@@ -58,32 +58,10 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 class CommandParser(argparse.ArgumentParser):
-    """The parser of quickdraft and of each of its commands: HelpFormatter's defaults in --help, and a command
-    whose module is heavy to import (torch) added by `build` when the command is used (parsed or its help
-    printed), not when the parser is built."""
+    """The parser of quickdraft and of each of its commands: HelpFormatter's defaults in --help."""
 
     def __init__(self, *args: Any, formatter_class: type = HelpFormatter, **kwargs: Any) -> None:
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
-        self.build: Any = None  # a function that adds this command's arguments to this parser
-
-    def built(self) -> CommandParser:
-        """This parser, its arguments added first where they wait to be."""
-        if self.build is not None:
-            build, self.build = self.build, None
-            build(self)
-        return self
-
-    def parse_known_args(self, args=None, namespace=None):
-        self.built()
-        return super().parse_known_args(args, namespace)
-
-    def format_usage(self) -> str:
-        self.built()
-        return super().format_usage()
-
-    def format_help(self) -> str:
-        self.built()
-        return super().format_help()
 
 
 def add_sampling_filter_arguments(p) -> None:

@@ -1,6 +1,7 @@
 """The CLI: bad input gives one clear line and exit code 2, no traceback; a real run prints JSON."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -37,6 +38,10 @@ def _cli(*args, timeout=300):
     (["generate", "hi", "--k", "two"], "invalid int value"),
     (["generate", "hi", "--dtype", "int4"], "invalid choice"),
     (["generate", "hi", "--compare", "--compare-rounds", "0"], "--compare-rounds"),
+    (["distill", "--out", "unused", "--epochs", "0"], "--epochs must be at least 1"),
+    (["distill", "--out", "unused", "--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
+    (["distill", "--out", "unused", "--temperatures", "0,hot"], "--temperatures must be numbers"),
+    (["distill", "--out", "unused", "--temperatures", "nan"], "--temperatures must be >= 0"),
 ])
 def test_bad_input_exits_2_with_a_clear_message(args, word):
     result = _cli(*args)
@@ -198,7 +203,7 @@ def test_every_help_shows_every_default():
     from quickdraft.cli import build_parser
     from quickdraft.cli_args import _shows_default
 
-    commands = _subparsers(build_parser(lazy=False))
+    commands = _subparsers(build_parser())
     assert set(commands) == {"generate", "serve", "batch", "check", "tune", "distill", "bench"}
     for name, command in commands.items():
         formatter = command._get_formatter()
@@ -217,22 +222,64 @@ def test_every_help_shows_every_default():
     assert "(default: ngram)" in help_of("generate", "--draft") and "default: ngram" not in help_of("generate", "--k")
 
 
+COMMANDS = ("generate", "serve", "batch", "check", "tune", "distill", "bench")
+
+
 def test_help_imports_neither_torch_nor_transformers():
-    """Issue 47: every --help took 2.4 s (5+ loaded) importing torch and transformers first."""
-    code = ("import sys\n"
-            "from quickdraft.cli import build_parser, main\n"
-            "build_parser()\n"
-            "for argv in (['--help'], ['generate', '--help'], ['serve', '--help'], ['batch', '--help'],\n"
-            "             ['check', '--help']):\n"
-            "    try:\n"
+    """Issue 47: every --help took 2.4 s (5+ loaded) importing torch and transformers first. quickdraft's help and
+    every command's, printed in one fresh interpreter, leave neither imported, and show the defaults and the
+    draft methods (read from cli_args.DRAFT_SPELLINGS, the registry not imported)."""
+    from quickdraft.bench.names import BASELINE_HELP, DEFAULT_METHODS
+    from quickdraft.cli_args import DRAFT_SPELLINGS
+    from quickdraft.tools.check.checking import DEFAULT_MAX_TOKENS as CHECK_MAX_TOKENS
+    from quickdraft.tools.distill_cli import DEFAULT_EPOCHS, DEFAULT_TOKENS
+    from quickdraft.tools.tune.defaults import DEFAULT_DRAFTS, DEFAULT_K_MAX, DEFAULT_MAX_TOKENS
+
+    code = ("import contextlib, io, json, sys\n"
+            "from quickdraft.cli import main\n"
+            "helps = {}\n"
+            f"for argv in [['--help']] + [[command, '--help'] for command in {COMMANDS!r}]:\n"
+            "    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
             "        main(argv)\n"
-            "    except SystemExit:\n"
-            "        pass\n"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules), file=sys.stderr)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+            "    helps[argv[0]] = out.getvalue()\n"
+            "imported = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+            "print(json.dumps({'helps': helps, 'imported': imported}))\n")
+    # A wide terminal: no line is wrapped, so that no name is broken at a hyphen
+    env = {**os.environ, "COLUMNS": "10000"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
-    assert result.stderr.strip().splitlines()[-1] == "[]"
-    assert "--max-tokens" in result.stdout and "(default: 256)" in result.stdout
+    data = json.loads(result.stdout)
+    assert data["imported"] == []
+    helps = {name: " ".join(text.split()) for name, text in data["helps"].items()}
+    assert all(command in helps["--help"] for command in COMMANDS)
+    for command in COMMANDS:
+        assert helps[command].startswith(f"usage: quickdraft {command} ") and "--progress" in helps[command], command
+    methods = [spelling for spelling, _ in DRAFT_SPELLINGS]
+    for command in ("generate", "serve", "batch", "check", "tune", "bench"):  # --draft's, --drafts' or --methods'
+        assert all(spelling in helps[command] for spelling in methods), command
+    assert "tokens to generate at most (default: 256)" in helps["generate"] and "(default: ngram)" in helps["generate"]
+    assert "port to listen on (default: 8000)" in helps["serve"]
+    assert "for records that set no max_tokens (default 256)" in helps["batch"]
+    assert f"tokens per prompt in the greedy comparison (default {CHECK_MAX_TOKENS})" in helps["check"]
+    assert f"(default: {DEFAULT_DRAFTS})" in helps["tune"] and f"largest K tried (default {DEFAULT_K_MAX})" in \
+        helps["tune"] and f"tokens generated per prompt (default {DEFAULT_MAX_TOKENS})" in helps["tune"]
+    assert f"passes over the generated training data (default: {DEFAULT_EPOCHS})" in helps["distill"]
+    assert f"(default {DEFAULT_TOKENS})" in helps["distill"] and "then a cosine decay) (default: 0.001)" in \
+        helps["distill"] and "padded positions per training batch (default: 4096)" in helps["distill"]
+    assert f"{BASELINE_HELP} (default {DEFAULT_METHODS}; none is always added)" in helps["bench"]
+    assert "a comma list sweeps K (e.g. 1,2,4,6,8) (default: 5)" in helps["bench"]
+
+
+def test_distill_checks_its_arguments_then_runs_the_training(monkeypatch, tmp_path):
+    """`quickdraft distill`'s arguments live in tools/distill_cli.py (no torch); the training module is imported
+    and run with --temperatures read."""
+    from quickdraft.cli import main
+    from quickdraft.tools import distill
+
+    seen = []
+    monkeypatch.setattr(distill, "run", lambda args, temperatures: seen.append((args.out, temperatures)) or 0)
+    assert main(["distill", "--out", str(tmp_path / "head"), "--temperatures", "0,1.5"]) == 0
+    assert seen == [(str(tmp_path / "head"), (0.0, 1.5))]
 
 
 def test_the_help_table_of_draft_spellings_is_the_registrys():

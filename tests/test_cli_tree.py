@@ -39,7 +39,7 @@ def test_bad_tree_spellings_say_what_to_give(text):
 
 
 def test_every_command_takes_the_one_tree_argument():
-    subparsers = next(a for a in build_parser(lazy=False)._actions if isinstance(a, argparse._SubParsersAction))
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     helps = set()
     for command in COMMANDS:
         tree = next(a for a in subparsers.choices[command]._actions if "--tree" in a.option_strings)

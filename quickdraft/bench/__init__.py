@@ -2,8 +2,8 @@
 
 Modules: dataset (Spec-Bench JSONL and prompts), methods (one runner per method), costs (measured forward
 costs and the analytic speedup model), greedy (the exactness check), report (statistics, JSON, table,
-plots), run (the orchestration: `run_bench`), cli (the command line). Importing this package stays light (no torch;
-METHOD_HELP, read from the draft registry, imports it).
+plots), run (the orchestration: `run_bench`), cli (the command line). Importing this package, and cli, stays light (no
+torch: `quickdraft bench --help`; names.method_help reads the methods through cli_args.draft_help).
 """
 
 from quickdraft.bench.names import BASELINE_HELP, DEFAULT_METHODS, method_help

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from quickdraft.bench.names import DEFAULT_METHODS, method_help
-from quickdraft.cli_args import add_tree_argument
+from quickdraft.cli_args import add_progress_argument, add_tree_argument
 
 
 def add_bench_parser(sub) -> None:
@@ -39,6 +39,7 @@ def add_bench_parser(sub) -> None:
                         "prompts' first turns at once with at most B sequences running, for each B (quickdraft "
                         "methods, and hf as padded batches)")
     add_tree_argument(p)
+    add_progress_argument(p)
     p.set_defaults(func=run_from_args)
 
 

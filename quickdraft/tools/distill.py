@@ -18,6 +18,9 @@
 4. After each epoch: held-out greedy agreement of the head's first and second drafts with the target's
    argmax (alpha1, alpha2) and the expected tokens per step at K = 5 they imply; the head and config.json
    (recipe, data size, timings, the estimates) are written to OUT.
+
+The command line (its arguments, their defaults and checks) is tools/distill_cli.py, which imports this module
+when the command runs.
 """
 
 from __future__ import annotations
@@ -35,11 +38,6 @@ import torch.nn.functional as F
 
 from quickdraft.errors import QuickdraftError
 
-DEFAULT_TOKENS = 200_000
-DEFAULT_VOCAB = 16_384
-DEFAULT_EPOCHS = 4
-DEFAULT_MAX_NEW_TOKENS = 256
-DEFAULT_TEMPERATURES = (0.0, 0.8)
 QUESTION_TOKENS = 64
 SHARD_SEQUENCES = 48
 MAX_TRAIN_LEN = 1024
@@ -359,51 +357,13 @@ def train(llm, shards, vocab_ids, out: Path, work: Path, epochs: int, lr: float,
     return {"history": history, "train_seconds": train_seconds, "steps": step}
 
 
-# --- the command ---------------------------------------------------------------------------------------
+# --- the command's run ----------------------------------------------------------------------------------
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("distill", help="train an EAGLE draft head for a model by self-distillation "
-                                       "(then: --draft eagle:HEAD_DIR)")
-    p.add_argument("--model", default=None, help="alias (smollm2-135m, gemma3-270m), .gguf, directory or hub id")
-    p.add_argument("--out", required=True, help="the head's directory (also holds the resumable work/)")
-    p.add_argument("--prompts", default=None, help="prompts to answer (text, or JSONL as `check` reads); default: "
-                                                   "the model writes its own")
-    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
-                   help=f"training tokens to generate: the budget (default {DEFAULT_TOKENS})")
-    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB,
-                   help=f"tokens the head scores (default {DEFAULT_VOCAB}, the most frequent in the data)")
-    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS, help="passes over the generated training data")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate at its peak (after a linear warm-up, "
-                                                          "then a cosine decay)")
-    p.add_argument("--batch-tokens", type=int, default=4096, help="padded positions per training batch")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="answer length cap")
-    p.add_argument("--temperatures", default=",".join(str(t) for t in DEFAULT_TEMPERATURES),
-                   help="answers' temperatures, used in turn (default 0,0.8)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--dtype", default="auto", help="the target's dtype while generating (default auto)")
-    p.add_argument("--seed", type=int, default=0, help="the head's initialisation and the batches' order (the data "
-                                                       "is sampled unseeded)")
-    p.add_argument("--checkpoint-every", type=int, default=200, help="training steps between checkpoints")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, temperatures: tuple[float, ...]) -> int:
+    """`quickdraft distill`'s work, its arguments checked (tools/distill_cli.py) and --temperatures read."""
     from quickdraft import LLM
     from quickdraft.models import loader
 
-    if args.tokens < 100:
-        raise QuickdraftError(f"--tokens must be at least 100, got {args.tokens}")
-    if args.vocab_size < 2:
-        raise QuickdraftError(f"--vocab-size must be at least 2, got {args.vocab_size}")
-    if args.epochs < 1:
-        raise QuickdraftError(f"--epochs must be at least 1, got {args.epochs}")
-    try:
-        temperatures = tuple(float(t) for t in args.temperatures.split(","))
-    except ValueError:
-        raise QuickdraftError(f"--temperatures must be numbers separated by commas, got {args.temperatures!r}") \
-            from None
-    if any(t < 0 for t in temperatures):
-        raise QuickdraftError("--temperatures must be >= 0")
     out = Path(args.out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)

@@ -42,20 +42,16 @@ earlier requests' text, and must not find in its cache the very answer another c
 
 The package, imports pointing down: cli -> tuning (tune, sweep) -> report -> measure (timed runs, the session)
 -> candidates (the drafts to tune); prediction (the acceptance profile and the predicted speedup by K, over
-quickdraft/speedup_model.py) and divergence (KL and TV) below report and tuning.
+quickdraft/speedup_model.py) and divergence (KL and TV) below report and tuning; defaults (the defaults of the
+command line and of tune and sweep) below them all.
+
+The names below are imported when first used: the modules that measure import torch, and importing this package
+must not (`quickdraft tune --help` imports cli, and with it this package).
 """
 
-from quickdraft.speedup_model import (expected_drafts_per_step, expected_tokens_per_step, filled_rates,
-                                      fit_forward_costs, forward_seconds, step_seconds)
-from quickdraft.tools.tune.candidates import DEFAULT_DRAFTS, DEFAULT_K_MAX, Candidate, parse_candidates
-from quickdraft.tools.tune.cli import add_parser, load_llm, run_tune
-from quickdraft.tools.tune.divergence import distribution_divergence, measure_divergence
-from quickdraft.tools.tune.measure import (DEFAULT_MAX_TOKENS, ForwardTimes, Progress, RunTotals, generate_once,
-                                           run_rotation)
-from quickdraft.tools.tune.prediction import (PREDICTION_TIE, AcceptanceProfile, Prediction, acceptance_rates,
-                                              best_prediction, predict, proposal_length_distribution)
-from quickdraft.tools.tune.report import DraftResult, Measurement, SweepReport, SweepRow, TuneReport
-from quickdraft.tools.tune.tuning import sweep, tune
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = [
     "DEFAULT_DRAFTS", "DEFAULT_K_MAX", "DEFAULT_MAX_TOKENS", "PREDICTION_TIE",
@@ -66,3 +62,15 @@ __all__ = [
     "load_llm", "measure_divergence", "parse_candidates", "predict", "proposal_length_distribution", "run_rotation",
     "run_tune", "step_seconds", "sweep", "tune",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from quickdraft import speedup_model
+    from quickdraft.tools.tune import candidates, cli, defaults, divergence, measure, prediction, report, tuning
+
+    homes = (defaults, candidates, cli, divergence, measure, prediction, report, tuning, speedup_model)
+    value = getattr(next(home for home in homes if hasattr(home, name)), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

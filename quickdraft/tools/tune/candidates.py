@@ -8,9 +8,6 @@ from typing import Any, Sequence
 from quickdraft.drafts import SpeculativeConfig, draft_help, draft_label, method_class, parse_draft
 from quickdraft.errors import QuickdraftError
 
-DEFAULT_DRAFTS = "ngram,suffix"
-DEFAULT_K_MAX = 8
-
 
 @dataclass(frozen=True)
 class Candidate:

@@ -1,4 +1,8 @@
-"""`quickdraft tune` on the command line: its arguments, checked before the model loads, and the report printed."""
+"""`quickdraft tune` on the command line: its arguments, checked before the model loads, and the report printed.
+
+Importing this module (and building the parser: `quickdraft tune --help`) imports no torch: the arguments' defaults
+come from tools/tune/defaults.py and --drafts' methods from cli_args.draft_help; the modules that measure are
+imported by run_tune."""
 
 from __future__ import annotations
 
@@ -6,16 +10,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
-from quickdraft.cli_args import add_tree_argument, with_tree_argument
-from quickdraft.drafts import draft_help
+from quickdraft.cli_args import add_progress_argument, add_tree_argument, draft_help, with_tree_argument
 from quickdraft.errors import QuickdraftError
 from quickdraft.params import SamplingParams
 from quickdraft.tools.prompts import read_prompts
-from quickdraft.tools.tune.candidates import DEFAULT_DRAFTS, DEFAULT_K_MAX, parse_candidates
-from quickdraft.tools.tune.measure import DEFAULT_MAX_TOKENS
-from quickdraft.tools.tune.tuning import tune
+from quickdraft.tools.tune.defaults import DEFAULT_DRAFTS, DEFAULT_K_MAX, DEFAULT_MAX_TOKENS
 
 
 def add_parser(sub) -> None:
@@ -46,6 +45,7 @@ def add_parser(sub) -> None:
     p.add_argument("--runner", default="auto", choices=["auto", "native", "hf"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code to run")
+    add_progress_argument(p)
     p.set_defaults(func=run_tune)
 
 
@@ -63,6 +63,8 @@ def _check_out_path(out: str | None) -> Path | None:
 def tree_candidates(drafts: str, k_max: int, tree: str | None) -> str | list[dict]:
     """--drafts, checked, with --tree's setting on every draft (a draft that proposes no trees is refused by
     name) where it is given."""
+    from quickdraft.tools.tune.candidates import parse_candidates
+
     candidates = parse_candidates(drafts, k_max)
     if tree is None:
         return drafts
@@ -81,7 +83,10 @@ def load_llm(args: argparse.Namespace):
 
 
 def run_tune(args: argparse.Namespace) -> int:
+    import torch
+
     from quickdraft.models.loader import quiet_transformers
+    from quickdraft.tools.tune.tuning import tune
 
     # Everything that can be checked is checked before the model loads.
     prompts = read_prompts(args.prompts)

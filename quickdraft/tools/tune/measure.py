@@ -18,8 +18,8 @@ from quickdraft.sampling import derive_key
 from quickdraft.sequence import RequestMetrics
 from quickdraft.tools.prompts import prompt_token_ids
 from quickdraft.tools.tune.candidates import Candidate, parse_candidates
+from quickdraft.tools.tune.defaults import DEFAULT_MAX_TOKENS
 
-DEFAULT_MAX_TOKENS = 128
 WARMUP_TOKENS = 8
 
 Progress = Callable[[str], None]

@@ -12,7 +12,8 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.params import SamplingParams
 from quickdraft.sequence import RequestMetrics
 from quickdraft.speedup_model import fit_forward_costs
-from quickdraft.tools.tune.candidates import DEFAULT_DRAFTS, DEFAULT_K_MAX, Candidate, _config_label
+from quickdraft.tools.tune.candidates import Candidate, _config_label
+from quickdraft.tools.tune.defaults import DEFAULT_DRAFTS, DEFAULT_K_MAX
 from quickdraft.tools.tune.divergence import measure_divergence
 from quickdraft.tools.tune.measure import ForwardTimes, Progress, _Session, generate_once, run_rotation
 from quickdraft.tools.tune.prediction import AcceptanceProfile, best_prediction, predict

@@ -44,7 +44,7 @@ def main() -> None:
     config = {"method": args.draft}
     on = LLM(args.model, speculative_config=config, max_num_seqs=args.batch, enable_prefix_caching=True)
     off = on.with_speculative_config(config)  # the same weights; its own KV memory, with prefix caching off
-    off.kv_memory = KVMemory(off.engine, None, enable_prefix_caching=False)
+    off.kv_memory = KVMemory(off.engine.kv_caches(), None, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
 
     first = [[{"role": "user", "content": r["turns"][0]}] for r in records]

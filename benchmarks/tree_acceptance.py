@@ -74,7 +74,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from quickdraft import LLM, SamplingParams
-    from quickdraft.engine import Engine
+    from quickdraft import engine
     from quickdraft.models.loader import quiet_transformers
 
     quiet_transformers()
@@ -89,15 +89,17 @@ def main() -> None:
     prompts = chat_prompt_ids(llm.tokenizer, texts)
 
     scored: list[tuple[float, float]] = []  # this prompt's tree steps: (tree, chain) accepted tokens
-    verify_tree_of = Engine._verify_tree
+    verify_batch = engine.verify_batch
 
-    def scoring(seq, batch, processed, i):
-        lo, hi = batch.rows(i)
-        tree = batch.trees[i].to(processed.device)
-        scored.append(score_step(seq, tree, processed[lo:hi], batch.draft_probs[i]))
-        return verify_tree_of(seq, batch, processed, i)
+    def scoring(seqs, processed, batch, relaxed_threshold=None):
+        for i, seq in enumerate(seqs):
+            if batch.trees[i] is not None:
+                lo, hi = batch.rows(i)
+                tree = batch.trees[i].to(processed.device)
+                scored.append(score_step(seq, tree, processed[lo:hi], batch.draft_probs[i]))
+        return verify_batch(seqs, processed, batch, relaxed_threshold)
 
-    Engine._verify_tree = staticmethod(scoring)
+    engine.verify_batch = scoring  # the step's verification, seen before it runs
     temperatures = [float(t) for t in args.temperatures.split(",")]
     print(f"{args.target} + {args.draft}, tree {args.tree}: {len(prompts)} held-out prompts ({args.code_prompts} "
           f"code), {args.max_new_tokens} new tokens")

@@ -19,6 +19,8 @@ import math
 import statistics
 from collections import deque
 
+import numpy as np
+
 from quickdraft.speedup_model import acceptance_chain, expected_tokens_per_step, monotone_fit
 
 PRIOR_ACCEPTANCE = 0.6
@@ -106,6 +108,25 @@ class _Curve:
             (x0, s0), (x1, s1) = (known[-2], known[-1]) if position else (known[0], known[1])
         slope = max(0.0, (s1 - s0) / (x1 - x0))
         return max(1e-9, s0 + slope * (x - x0))
+
+
+    def estimates(self, xs: np.ndarray, prior_slope: float) -> np.ndarray | None:
+        """estimate at every x of xs (int array) at once, by the same arithmetic (a batch's choice prices every
+        number of rows it may verify)."""
+        known = self._fitted()
+        if not known:
+            return None
+        points = np.array([x for x, _ in known], dtype=np.int64)
+        values = np.array([v for _, v in known], dtype=np.float64)
+        if len(known) == 1:
+            return np.maximum(1e-9, values[0] * (1 + prior_slope * (xs - points[0])))
+        position = np.searchsorted(points, xs, side="left")
+        upper = np.clip(position, 1, len(known) - 1)  # the segment's right point: interior, else the nearest two
+        x0, s0, x1, s1 = points[upper - 1], values[upper - 1], points[upper], values[upper]
+        slope = np.maximum(0.0, (s1 - s0) / (x1 - x0))
+        out = np.maximum(1e-9, s0 + slope * (xs - x0))
+        exact = (position < len(known)) & (points[np.minimum(position, len(known) - 1)] == xs)
+        return np.where(exact, values[np.minimum(position, len(known) - 1)], out)
 
 
 class StepCosts:
@@ -327,6 +348,15 @@ class BatchCosts:
         else:
             self.lookup.tick()
 
+    def steps_seconds(self, rows: np.ndarray, max_k: np.ndarray, drafting: np.ndarray, model_draft: bool
+                      ) -> np.ndarray:
+        """step_seconds at many (rows, max_k, drafting >= 1) at once (the target's cost must be measured)."""
+        target = self.target.estimates(rows, PRIOR_COST_SLOPE)
+        if model_draft:
+            per_forward = self.draft_forward.estimates(drafting, PRIOR_COST_SLOPE)
+            return target + max_k * (per_forward if per_forward is not None else target)
+        return target + drafting * (self.lookup.estimate(1, 0.0) or 0.0)
+
     def step_seconds(self, rows: int, max_k: int, drafting: int, model_draft: bool) -> float | None:
         target = self.target.estimate(rows, PRIOR_COST_SLOPE)
         if target is None:
@@ -354,26 +384,30 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
     drafts_unmeasured = not (costs.draft_forward.points if model_draft else costs.lookup.points)
     if costs.step_seconds(base_rows, 0, 0, model_draft) is None or (drafts_unmeasured and any(caps)):
         return list(caps)
-    candidates = []
+    chances, owners, positions = [], [], []
     for i, (s, cap) in enumerate(zip(stats, caps)):
-        for j, chance in enumerate(acceptance_chain(s.rates(cap), cap)):
-            candidates.append((-chance, j, i))
-    candidates.sort()
-    ks = [0] * len(caps)
-    tokens = float(len(caps))
-    best_rate = tokens / costs.step_seconds(base_rows, 0, 0, model_draft)
-    best_m, max_k, drafting = 0, 0, 0
-    for m, (neg_gain, j, i) in enumerate(candidates, start=1):
-        tokens -= neg_gain
-        drafting += ks[i] == 0
-        ks[i] = j + 1
-        max_k = max(max_k, j + 1)
-        rate = tokens / costs.step_seconds(base_rows + m, max_k, drafting, model_draft)
-        if rate > best_rate:
-            best_rate, best_m = rate, m
+        if cap:
+            chances += acceptance_chain(s.rates(cap), cap)
+            owners += [i] * cap
+            positions += range(cap)
     chosen = [0] * len(caps)
-    for _, j, i in candidates[:best_m]:
-        chosen[i] = max(chosen[i], j + 1)
+    if chances:
+        # Candidates best first (ties: the earlier position, then the earlier sequence); after the m best, the
+        # batch verifies base_rows + m rows, max_k the deepest taken, `drafting` the sequences with one.
+        gain, owner, position = np.array(chances), np.array(owners), np.array(positions)
+        order = np.lexsort((owner, position, -gain))
+        gain, owner, position = gain[order], owner[order], position[order]
+        tokens = np.cumsum(np.concatenate([[float(len(caps))], gain]))[1:]  # added one by one, from len(caps)
+        count = np.arange(1, len(order) + 1)
+        first = np.zeros(len(order), dtype=np.int64)
+        first[np.unique(owner, return_index=True)[1]] = 1
+        rates = tokens / costs.steps_seconds(base_rows + count, np.maximum.accumulate(position + 1), np.cumsum(first),
+                                             model_draft)
+        best = int(np.argmax(rates))
+        if rates[best] > len(caps) / costs.step_seconds(base_rows, 0, 0, model_draft):
+            taken = np.zeros(len(caps), dtype=np.int64)
+            np.maximum.at(taken, owner[:best + 1], position[:best + 1] + 1)
+            chosen = taken.tolist()
     if not any(s.due_for_probe for s in stats):
         return chosen
     # A probe's draft forward costs the same for one sequence or several: the idle ones half-way to theirs probe

@@ -20,8 +20,8 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.models import RUNNERS, loader, make_runner
 from quickdraft.params import SEED_MAX, SEED_MIN, SamplingParams
 from quickdraft.sampling import derive_key
-from quickdraft.scheduler import Request, Scheduler
-from quickdraft.sequence import PositionLogprobs, Sequence
+from quickdraft.scheduler import Request, Scheduler, SequenceSetup
+from quickdraft.sequence import PositionLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +189,9 @@ class LLM:
         self._seed_rng = random.Random(seed)
         # The KV cache budget in bytes (None: unbounded), measured after the models are loaded.
         self.kv_cache_memory = kv.resolve_budget(kv_cache_memory, self.device)
-        if self.kv_cache_memory is not None and not kv.estimate(self.engine, self.kv_cache_memory)["total_blocks"]:
-            estimate = kv.estimate(self.engine, None)
+        if self.kv_cache_memory is not None and not kv.estimate(self.engine.kv_caches(),
+                                                                 self.kv_cache_memory)["total_blocks"]:
+            estimate = kv.estimate(self.engine.kv_caches(), None)
             raise QuickdraftError(f"kv_cache_memory of {self.kv_cache_memory} bytes holds no block of KV cache "
                                   f"(16 positions x {estimate['bytes_per_token']} bytes per token); give more")
         # Prefix caching by default only where a kept block holds exactly what a fresh prefill computes (the
@@ -198,7 +199,7 @@ class LLM:
         # prefix could change a near-tie, so it is the user's choice.
         self.enable_prefix_caching = self.target.rows_invariant if enable_prefix_caching is None \
             else enable_prefix_caching
-        self.kv_memory = kv.KVMemory(self.engine, self.kv_cache_memory, self.enable_prefix_caching)
+        self.kv_memory = kv.KVMemory(self.engine.kv_caches(), self.kv_cache_memory, self.enable_prefix_caching)
         self._grammar_tokenizer = None  # llguidance's form of the tokenizer, built by the first structured request
 
     def with_speculative_config(self, speculative_config: dict[str, Any] | SpeculativeConfig) -> "LLM":
@@ -216,7 +217,7 @@ class LLM:
         # config would, and this one's stream is not advanced (LLM(seed=1).generate(p) gives the same text
         # before and after a with_speculative_config call; bench, check and tune make such calls).
         other._seed_rng = random.Random(self._seed)
-        other.kv_memory = kv.KVMemory(other.engine, other.kv_cache_memory, other.enable_prefix_caching)
+        other.kv_memory = kv.KVMemory(other.engine.kv_caches(), other.kv_cache_memory, other.enable_prefix_caching)
         return other
 
     # --- construction -------------------------------------------------------------------------------------
@@ -305,18 +306,14 @@ class LLM:
         return [derive_key(request_key, index) for index in range(params.n)]
 
     # --- generation --------------------------------------------------------------------------------------
-    def _sequences(self, prompt_ids: list[int], params: SamplingParams) -> list[Sequence]:
-        """The n completions of one request. A request's own seed (or the LLM's) makes its text reproducible
-        with or without speculation and whatever K (position-keyed noise); without one, verification is
-        rejection sampling from the request's generator."""
+    def _sequence_setups(self, params: SamplingParams) -> list[SequenceSetup]:
+        """What each of a request's n completions draws with (the scheduler makes the sequences). A request's own
+        seed (or the LLM's) makes its text reproducible with or without speculation and whatever K
+        (position-keyed noise); without one, verification is rejection sampling from the request's generator."""
         grammar = self._grammar(params)  # first: a constraint that does not compile draws no seeds
         generator = self._generator(params)
-        seqs = [self.engine.new_sequence(prompt_ids, params, generator, noise_key)
-                for noise_key in self._noise_keys(params)]
-        for index, seq in enumerate(seqs):
-            if grammar is not None:
-                seq.grammar = grammar if index == 0 else grammar.copy()
-        return seqs
+        return [SequenceSetup(generator, noise_key, None if grammar is None else grammar if index == 0 else grammar.copy())
+                for index, noise_key in enumerate(self._noise_keys(params))]
 
     def _grammar(self, params: SamplingParams) -> structured.GrammarState | None:
         """The request's structured-outputs constraint compiled against this model's tokenizer (whose
@@ -337,14 +334,14 @@ class LLM:
         """A continuous-batching scheduler on this LLM's engine (what generate uses, and what a server drives):
         `add_request(request_id, prompt_ids, params)`, `step()`, `abort_request(request_id)`."""
         return Scheduler(self.engine, self.tokenizer, max_num_seqs or self.max_num_seqs,
-                         max_num_batched_tokens or self.max_num_batched_tokens, self._sequences,
+                         max_num_batched_tokens or self.max_num_batched_tokens, self._sequence_setups,
                          memory=self.kv_memory)
 
     def kv_cache_estimate(self) -> dict[str, Any]:
         """The KV cache before running: bytes per token (target, plus a draft model's own caches: layers x
         kv_heads x head_dim x 2 x dtype size each), and with kv_cache_memory the budget in bytes, its blocks of
         16 positions and the tokens they hold (each scheduler gets this budget)."""
-        return kv.estimate(self.engine, getattr(self, "kv_cache_memory", None))
+        return kv.estimate(self.engine.kv_caches(), getattr(self, "kv_cache_memory", None))
 
     def _output(self, text: str | None, prompt_ids: list[int], request: Request) -> RequestOutput:
         completions = []

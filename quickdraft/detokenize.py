@@ -7,16 +7,23 @@ added; when one token completes several, the first of the stop list wins (vLLM's
 A speculative step commits several tokens at once. `Detokenizer.update` replays them one at a time, so the
 text, the tokens kept and the finish reason are exactly those of decoding one token per step: the stop
 string that completes first ends the output, not the one that starts first.
+
+A request without stop strings cannot be ended by its text, so its text need not be made on the engine's step
+(vLLM detokenizes in another process): `Detokenizer.defer` takes the step's tokens and returns a `TextDelta`
+whose text is decoded when it is first read (a server's event loop reads it; `generate` reads only the final
+text), in the order the steps came, so what a stream shows is exactly what eager decoding shows.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from quickdraft.engine import Sequence
 from quickdraft.errors import QuickdraftError
 from quickdraft.params import SamplingParams
+from quickdraft.sequence import Sequence
 
 _PARTIAL = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 character at the end of the text to
 
@@ -38,16 +45,40 @@ def find_stop(previous: str, text: str, stop_list: list[str]) -> tuple[int, str]
     return None
 
 
+class TextDelta:
+    """The text one step added to a sequence's stream, decoded when first read (`str(delta)` or `.text`):
+    reading it decodes every earlier step of the sequence not read yet first, so deltas come out in step order
+    whichever is read first (an earlier one read later is then empty: its text went out with the later one)."""
+
+    __slots__ = ("_detokenizer", "upto", "finished", "_text")
+
+    def __init__(self, detokenizer: "Detokenizer", upto: int, finished: bool):
+        self._detokenizer, self.upto, self.finished = detokenizer, upto, finished
+        self._text: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._detokenizer._render(self)
+        return self._text
+
+    def __str__(self) -> str:
+        return self.text
+
+
 @dataclass
 class Detokenizer:
     """Incremental text for one sequence, with stop-string handling (see the module docstring)."""
 
     tokenizer: Any
     params: SamplingParams
-    text: str = ""
     sent: int = 0  # characters already handed to a stream
     stop_reason: str | None = None  # the stop string that ended the text
+    _text: str = ""
     _hold: int = field(init=False, default=0)
+    _ids: list[int] = field(init=False, default_factory=list)  # the deferred tokens (defer)
+    _pending: deque = field(init=False, default_factory=deque)  # TextDeltas not decoded yet, in step order
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         if self.tokenizer is None and self.params.stop_list:
@@ -65,6 +96,49 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
 
+    @property
+    def eager(self) -> bool:
+        """Whether the text must be made as the tokens commit: stop strings end the sequence by its text."""
+        return bool(self.params.stop_list)
+
+    @property
+    def text(self) -> str:
+        """The whole text so far (every deferred step decoded)."""
+        if self._pending:
+            self._render(None)
+        return self._text
+
+    def defer(self, token_ids: list[int], finished: bool) -> TextDelta | str:
+        """A step's new tokens of a sequence without stop strings; its text is decoded when read (TextDelta)."""
+        if self.tokenizer is None:
+            return ""
+        with self._lock:
+            self._ids.extend(token_ids)
+            delta = TextDelta(self, len(self._ids), finished)
+            self._pending.append(delta)
+        return delta
+
+    def _render(self, until: TextDelta | None) -> None:
+        """Decode the deferred steps up to `until` (None: all): the earlier ones' deltas are empty, `until`'s is
+        everything since the last delta read (held back: a trailing incomplete UTF-8 character, until the
+        sequence finishes)."""
+        with self._lock:
+            if until is not None and until._text is not None:
+                return
+            last = None
+            while self._pending:
+                last = self._pending.popleft()
+                last._text = ""
+                if last is until:
+                    break
+            if last is None:
+                return
+            text = self._decode(self._ids[:last.upto])
+            self._text = text
+            safe = len(text) if last.finished else _stable_length(text)
+            if safe > self.sent:
+                last._text, self.sent = text[self.sent: safe], safe
+
     def update(self, seq: Sequence, num_new: int) -> str:
         """Take the sequence's latest `num_new` tokens; truncate and finish it on a stop string; return the
         new text that is safe to show."""
@@ -77,7 +151,7 @@ class Detokenizer:
         else:
             # One token at a time, as plain decoding would see them: the first token that completes a stop
             # string ends the output.
-            text = self.text
+            text = self._text
             end = len(ids)
             for keep in range(end - num_new + 1, end + 1):
                 previous, text = text, self._decode(ids[:keep])
@@ -88,7 +162,7 @@ class Detokenizer:
                     self.stop_reason = stop
                     text = text[: index + (len(stop) if self.params.include_stop_str_in_output else 0)]
                     break
-        self.text = text
+        self._text = text
         # Hold back what a stop string could still cut, and an incomplete UTF-8 character; all once finished.
         safe = len(text) if seq.finished else _stable_length(text) - self._hold
         if safe <= self.sent:

@@ -1,13 +1,15 @@
-"""SamplingParams: what a request asks of the sampler, validated on construction (vLLM's names)."""
+"""SamplingParams: what a request asks of the sampler, validated on construction (vLLM's names), and the
+StructuredOutputs constraint it may carry (compiled by quickdraft.structured)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.structured import StructuredOutputs
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
@@ -20,6 +22,48 @@ def _is_int(value) -> bool:
 def _is_real(value) -> bool:
     """A finite int or float (not a bool, not nan or inf)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What a request's output must match (vLLM's StructuredOutputsParams names): exactly one of a JSON schema
+    (`json`: a dict or its JSON text), a `regex`, a `choice` of strings, a `grammar` (Lark or GBNF), or
+    `json_object` (any JSON object)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise QuickdraftError(f"structured_outputs takes exactly one of {', '.join(STRUCTURED_KINDS)}; got "
+                                  f"{', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise QuickdraftError("structured_outputs json must be a JSON schema (a dict or its JSON text)")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise QuickdraftError("structured_outputs regex must be a string")
+        if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise QuickdraftError("structured_outputs choice must be a non-empty list of non-empty strings")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise QuickdraftError("structured_outputs grammar must be a string (Lark or GBNF)")
+        if not isinstance(self.json_object, bool):
+            raise QuickdraftError("structured_outputs json_object must be true or false")
+
+    @staticmethod
+    def of(value: "StructuredOutputs | dict[str, Any]") -> "StructuredOutputs":
+        if isinstance(value, StructuredOutputs):
+            return value
+        if not isinstance(value, dict):
+            raise QuickdraftError(f"structured_outputs must be a StructuredOutputs or a dict with one of "
+                                  f"{', '.join(STRUCTURED_KINDS)}, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(STRUCTURED_KINDS))
+        if unknown:
+            raise QuickdraftError(f"structured_outputs has unknown fields {unknown}; use one of {', '.join(STRUCTURED_KINDS)}")
+        return StructuredOutputs(**value)
 
 
 @dataclass

@@ -53,44 +53,128 @@ def top_k_rows(x: torch.Tensor, k: int, with_logsumexp: bool = False):
     return (values, indices, torch.logsumexp(x.float(), -1)) if with_logsumexp else (values, indices)
 
 
+class PenaltyTable:
+    """The seen tokens and output counts of many requests as rows of two [rows, V] tensors on the device (the
+    engine keeps one for every sequence with penalties): each row is updated in place as its tokens commit, and a
+    step reads all its sequences' rows with one index (PenaltyTable.gather). Rows are reused once freed. Its
+    tensors are inference tensors (made and updated under torch.inference_mode, whether or not the caller is in
+    it: a table made during a step is updated between steps)."""
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)  # [rows, V]
+        self.counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)  # [rows, V]
+        self._free: list[int] = []
+
+    @torch.inference_mode()
+    def add(self) -> int:
+        """A zeroed row (the table doubles when none is free)."""
+        if not self._free:
+            rows = self.seen.shape[0]
+            more = max(rows, 1)
+            self.seen = torch.cat([self.seen, self.seen.new_zeros(more, self.vocab_size)])
+            self.counts = torch.cat([self.counts, self.counts.new_zeros(more, self.vocab_size)])
+            self._free = list(range(rows + more - 1, rows - 1, -1))
+        return self._free.pop()
+
+    @torch.inference_mode()
+    def free(self, row: int) -> None:
+        self.seen[row] = False
+        self.counts[row] = 0
+        self._free.append(row)
+
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seen [n, V], output counts [n, V]) of the table rows `rows` [n]."""
+        return self.seen.index_select(0, rows), self.counts.index_select(0, rows)
+
+
 class PenaltyHistory:
-    """Counts of the committed tokens of one request, kept on the device for penalties.
+    """Counts of the committed tokens of one request, kept on the device for penalties: a row of a PenaltyTable
+    (the engine's, shared by its sequences; a table of its own when none is given).
 
     `seen` marks tokens of the prompt or the output (repetition penalty); `output_counts` counts tokens of
     the output (presence and frequency penalties).
     """
 
-    def __init__(self, prompt_ids: list[int], vocab_size: int, device: torch.device):
+    def __init__(self, prompt_ids: list[int], vocab_size: int, device: torch.device,
+                 table: PenaltyTable | None = None):
         self.vocab_size = vocab_size
-        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-        ids = torch.tensor([t for t in prompt_ids if t < vocab_size], dtype=torch.long, device=device)
-        self.seen[ids] = True
+        self.table = table if table is not None else PenaltyTable(vocab_size, device)
+        self.row = self.table.add()
+        ids = torch.tensor([t for t in prompt_ids if t < vocab_size], dtype=torch.long, device=self.table.seen.device)
+        with torch.inference_mode():
+            self.seen[ids] = True
 
+    @property
+    def seen(self) -> torch.Tensor:
+        return self.table.seen[self.row]  # [V], a view: the table may have grown since the last call
+
+    @property
+    def output_counts(self) -> torch.Tensor:
+        return self.table.counts[self.row]
+
+    def release(self) -> None:
+        """Give the row back to the table (the sequence is done)."""
+        self.table.free(self.row)
+
+    @torch.inference_mode()
+    def move_to(self, table: PenaltyTable) -> None:
+        """Keep this history in a row of `table` from now on (the engine's shared one), giving back its row."""
+        if table is self.table:
+            return
+        row = table.add()
+        table.seen[row] = self.seen
+        table.counts[row] = self.output_counts
+        self.release()
+        self.table, self.row = table, row
+
+    @torch.inference_mode()
     def append(self, token_ids: list[int] | torch.Tensor) -> None:
-        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.seen.device)
+        seen, counts = self.seen, self.output_counts
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=seen.device)
         ids = ids[ids < self.vocab_size]
-        self.seen[ids] = True
-        self.output_counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
+        seen[ids] = True
+        counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
 
     def rows(self, pending: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Histories for `n_rows` consecutive positions: row i also contains pending[:i] (the draft tokens
         that precede position i). Returns (seen [n_rows, V], output_counts [n_rows, V])."""
-        steps = torch.zeros(n_rows, self.vocab_size, dtype=torch.float32, device=self.seen.device)
+        seen, output_counts = self.seen, self.output_counts
+        steps = torch.zeros(n_rows, self.vocab_size, dtype=torch.float32, device=seen.device)
         m = min(n_rows - 1, pending.numel())
         if m > 0:
-            rows = torch.arange(1, m + 1, device=self.seen.device)
-            steps[rows, pending[:m].to(self.seen.device)] = 1.0
-        counts = self.output_counts + steps.cumsum(0)
-        seen = self.seen | (counts > self.output_counts)
-        return seen, counts
+            rows = torch.arange(1, m + 1, device=seen.device)
+            steps[rows, pending[:m].to(seen.device)] = 1.0
+        counts = output_counts + steps.cumsum(0)
+        return seen | (counts > output_counts), counts
 
     def tree_rows(self, tree) -> tuple[torch.Tensor, torch.Tensor]:
         """Histories of a token tree's rows (token_tree.TokenTree: the root's row, then each node's): row r also
         contains the draft tokens on the path to it. Returns (seen [N + 1, V], output_counts [N + 1, V])."""
-        counts = self.output_counts + tree.to(self.seen.device).row_path_counts(self.vocab_size)
-        seen = self.seen | (counts > self.output_counts)
-        return seen, counts
+        seen, output_counts = self.seen, self.output_counts
+        counts = output_counts + tree.to(seen.device).row_path_counts(self.vocab_size)
+        return seen | (counts > output_counts), counts
+
+
+def add_logit_bias(logits: torch.Tensor, rows: list[int], token_ids: list[int], values: list[float]) -> torch.Tensor:
+    """logits [R, V] with values added at (rows[i], token_ids[i]) (OpenAI's logit_bias of every biased row), in one
+    scatter-add; a (row, token) appears at most once."""
+    device = logits.device
+    index = torch.tensor([rows, token_ids], dtype=torch.long).to(device)
+    return logits.index_put((index[0], index[1]), torch.tensor(values, dtype=logits.dtype).to(device),
+                            accumulate=True)
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, repetition: torch.Tensor,
+             presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """Repetition (multiplicative, on the `seen` tokens), presence and frequency (additive, by output `counts`)
+    penalties of rows [..., V], each row with its own penalties (tensors that broadcast against the rows: [R, 1],
+    or 0-d for one request). A penalty of 1 (repetition) or 0 leaves a row's logits as they are, bit for bit."""
+    repetition = repetition.to(logits.dtype)
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    counts = counts.to(logits.dtype)
+    return logits - presence.to(logits.dtype) * (counts > 0).to(logits.dtype) - frequency.to(logits.dtype) * counts
 
 
 def apply_penalties(
@@ -108,13 +192,9 @@ def apply_penalties(
         return logits
     if seen is None or counts is None:
         raise ValueError("penalties need the token history (seen, counts)")
-    if params.repetition_penalty != 1:
-        penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
-        logits = torch.where(seen, penalized, logits)
-    if params.presence_penalty != 0 or params.frequency_penalty != 0:
-        counts = counts.to(logits.dtype)
-        logits = logits - params.presence_penalty * (counts > 0).to(logits.dtype) - params.frequency_penalty * counts
-    return logits
+    scalars = torch.tensor([params.repetition_penalty, params.presence_penalty, params.frequency_penalty],
+                           dtype=logits.dtype, device=logits.device)
+    return penalize(logits, seen, counts, scalars[0], scalars[1], scalars[2])
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -194,15 +274,20 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list
     return out
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None, uniform: torch.Tensor | None = None
+         ) -> torch.Tensor:
     """One token from each row of probs [B, V] (weights, not necessarily normalised), by the inverse of its
     cumulative distribution at a uniform u: the first token whose cumulative weight exceeds u * total. A
     token of weight zero adds nothing to the cumulative sum, so it is never the first to exceed. [B] long.
+    uniform: [B] float64 u per row, drawn by the caller (each row from its own generator); else drawn here.
 
     Why not torch.multinomial: for one draw over a 49k-token vocabulary it took 1.6 ms per row here, 14% of
     a batched step at T=0.8; a float64 cumulative sum and a binary search take a few tens of microseconds."""
     cumulative = probs.double().cumsum(-1)  # [B, V]
-    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
+    if uniform is None:
+        u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
+    else:
+        u = uniform.to(device=probs.device, dtype=torch.float64).reshape(-1, 1)
     index = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True)
     return index.squeeze(1).clamp(max=probs.shape[-1] - 1)  # u * total < total: the clamp never binds
 

@@ -1,10 +1,13 @@
 """Continuous batching: requests join and leave at step boundaries; each step is one batched engine step.
 
-A request is its n completions (one Sequence each, with its own detokenizer). `add_request` queues it;
+A request is its n completions (one Sequence each, with its own detokenizer). The scheduler owns each
+sequence's life: `add_request` makes the sequences (the engine checks the request and readies each sequence,
+Engine.attach) and queues them;
 `step()` admits waiting sequences while the limits allow (at most `max_num_seqs` running, at most
 `max_num_batched_tokens` new target rows in a step, a prompt counting its length and a decoding sequence
 1 + K), runs one `Engine.step_batch` over the running sequences, detokenizes what each committed, frees the
-caches of sequences that finished, and returns one `SequenceUpdate` per sequence that produced tokens.
+caches of sequences that finished (the KV memory takes their blocks back, the engine its caches and draft
+state: Engine.detach), and returns one `SequenceUpdate` per sequence that produced tokens.
 `abort_request` drops a request's sequences at once, waiting or running. This is the interface the API's
 `generate` drives, and the one a server drives.
 
@@ -25,28 +28,49 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from quickdraft.detokenize import Detokenizer
+import torch
+
+from quickdraft.detokenize import Detokenizer, TextDelta
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
-from quickdraft.kv import KVMemory, KVPoolFull, StaticSequenceCache, round_up
+from quickdraft.kv import KVMemory
 from quickdraft.params import SamplingParams
 from quickdraft.sequence import PositionLogprobs, Sequence
+from quickdraft.structured import GrammarState
+
+
+@dataclass(frozen=True)
+class SequenceSetup:
+    """What makes one completion's draws its own: the generator its unseeded sampling draws from, its noise key
+    (seeded sampling draws from position-keyed noise: Sequence.noise_key), and its grammar's state (structured
+    outputs). The LLM derives them from the request's seed or its own seed stream, and compiles the grammar."""
+
+    generator: torch.Generator | None = None
+    noise_key: int | None = None
+    grammar: GrammarState | None = None
 
 
 @dataclass
 class SequenceUpdate:
-    """What one step produced for one completion of a request."""
+    """What one step produced for one completion of a request. Its text (text_delta) is decoded when first read
+    where the request has no stop strings (detokenize.TextDelta): a consumer on another thread (a server's event
+    loop) decodes it there, off the engine's step."""
 
     request_id: str
     index: int  # which of the request's n completions
     new_token_ids: list[int]
-    text_delta: str
+    delta: TextDelta | str
     finished: bool
     finish_reason: str | None
     # SamplingParams.logprobs: the log-probabilities of the tokens this step kept (after a stop string's cut)
     new_logprobs: list[PositionLogprobs] | None = None
     # SamplingParams.prompt_logprobs: on a completion's first update, its prompt's (None for the first token)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def text_delta(self) -> str:
+        """The text this step added (decoded now if it was deferred)."""
+        return self.delta if isinstance(self.delta, str) else self.delta.text
 
 
 @dataclass
@@ -65,7 +89,7 @@ class Request:
 class Scheduler:
     def __init__(self, engine: Engine, tokenizer: Any = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096,
-                 make_sequences: Callable[[list[int], SamplingParams], list[Sequence]] | None = None,
+                 sequence_setup: Callable[[SamplingParams], list[SequenceSetup]] | None = None,
                  kv_budget_bytes: int | None = None, enable_prefix_caching: bool = False,
                  memory: KVMemory | None = None):
         if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
@@ -74,22 +98,21 @@ class Scheduler:
             raise QuickdraftError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
         self.engine = engine
         self.tokenizer = tokenizer
-        # A request's n completions (the LLM's: it derives their noise keys and generator from the seeds).
-        self.make_sequences = make_sequences or (
-            lambda ids, params: [engine.new_sequence(ids, params) for _ in range(params.n)])
+        # Each of a request's n completions' generator, noise key and grammar (the LLM's: it derives them from the
+        # seeds and compiles the grammar); by default the global generator, no noise key and no grammar.
+        self.sequence_setup = sequence_setup or (lambda params: [SequenceSetup()] * params.n)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, Request] = {}
         self.waiting: deque[tuple[Request, int]] = deque()  # (request, completion index), in arrival order
         self.running: list[tuple[Request, int]] = []  # in admission order: the last was admitted last
-        # The KV memory (an LLM passes its own, shared by its schedulers): the runners whose caches count, the
-        # budget's pool (None: unbounded) and the prefix caches.
-        self.memory = memory or KVMemory(engine, kv_budget_bytes, enable_prefix_caching)
-        self._runners = self.memory.runners
-        self._bytes_per_token = self.memory.bytes_per_token
+        # The KV memory (an LLM passes its own, shared by its schedulers): the caches that count, the budget's pool
+        # (None: unbounded) and the prefix caches.
+        self.memory = memory or KVMemory(engine.kv_caches(), kv_budget_bytes, enable_prefix_caching)
         self.pool = self.memory.pool
         self.num_preemptions = 0
-        self.peak_kv_bytes = 0  # the most bytes the live sequences' cache tensors took after a step (measured)
+        # The most bytes the live sequences' cache tensors took after a step (measured under a budget).
+        self.peak_kv_bytes = 0
 
     # --- the interface ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -101,13 +124,21 @@ class Scheduler:
         # One detokenizer per completion (they share params); built first: it refuses stop strings without a
         # tokenizer before anything is allocated.
         detokenizers = [Detokenizer(self.tokenizer, params) for _ in range(params.n)]
+        self.engine.check_request(prompt_ids, params)
         if self.pool is not None:  # before the sequences: a refused request draws nothing from the seed stream
             self._check_fits(prompt_ids, params)
-        sequences = self.make_sequences(prompt_ids, params)
+        sequences = [self._new_sequence(prompt_ids, params, setup) for setup in self.sequence_setup(params)]
         request = Request(request_id, sequences, detokenizers)
         self.requests[request_id] = request
         self.waiting.extend((request, index) for index in range(len(sequences)))
         return request
+
+    def _new_sequence(self, prompt_ids: list[int], params: SamplingParams, setup: SequenceSetup) -> Sequence:
+        engine = self.engine
+        seq = Sequence(prompt_ids, params, setup.generator, engine.device, engine.vocab_size, setup.noise_key)
+        seq.grammar = setup.grammar
+        engine.attach(seq)
+        return seq
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its caches; False when it is unknown or already finished."""
@@ -160,16 +191,20 @@ class Scheduler:
                 if request.finished:
                     self.requests.pop(request.request_id, None)
             raise
-        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_measured_bytes())
+        if self.pool is not None:  # what the budget's accounting is checked against (tests, leak runs)
+            self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_measured_bytes())
         if self.memory.prefix_caching:
             for request, index in batch:
-                self._store_prefix(request.sequences[index])
+                self.memory.store_prefix(request.sequences[index])
         now = time.perf_counter()
         updates = []
         for (request, index), tokens in zip(batch, committed):
             seq = request.sequences[index]
             first = len(seq.output_ids) - len(tokens)
-            delta = request.detokenizers[index].update(seq, len(tokens))  # may cut at a stop string
+            detokenizer = request.detokenizers[index]
+            # Stop strings end a sequence by its text: decoded now (it may cut the step's tokens); else later.
+            delta = detokenizer.update(seq, len(tokens)) if detokenizer.eager else \
+                detokenizer.defer(tokens, seq.finished)
             metrics = seq.metrics
             if metrics.first_token_time_s is None:
                 metrics.first_token_time_s = now - request.arrival_time
@@ -192,19 +227,21 @@ class Scheduler:
         return max(1, len(seq.token_ids) - len(seq.target_cache)) + self.engine.max_step_drafts
 
     def _admit(self) -> None:
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return
         budget = self.max_num_batched_tokens - sum(self._rows(r.sequences[i]) for r, i in self.running)
         while self.waiting and len(self.running) < self.max_num_seqs:
             request, index = self.waiting[0]
             seq = request.sequences[index]
             if not self._load_prefix(seq):
-                self._release_blocks(seq)
+                self.memory.release(seq)
                 break
             rows = self._rows(seq)
             if rows > budget and self.running:  # a prompt larger than the budget still runs, alone
-                self._release_blocks(seq)  # a waiting sequence holds no memory (its prefix loads again next time)
+                self.memory.release(seq)  # a waiting sequence holds no memory (its prefix loads again next time)
                 break
             if self.pool is not None and not self._reserve(seq):
-                self._release_blocks(request.sequences[index])  # whatever part it got; it waits, first in line
+                self.memory.release(seq)  # whatever part it got; it waits, first in line
                 break
             self.waiting.popleft()
             self.running.append((request, index))
@@ -213,9 +250,8 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         """Release a finished, aborted or failed sequence's KV memory (target and draft) and end its draft state
         (the proposer's release: a suffix draft's text enters its cache then)."""
-        self._release_blocks(seq)
-        seq.target_cache = self.engine.target.new_cache()
-        self.engine.proposer.release(seq)
+        self.memory.release(seq)
+        self.engine.detach(seq)
 
     # --- the KV budget ------------------------------------------------------------------------------------
     @property
@@ -233,33 +269,17 @@ class Scheduler:
                 "usage": held / self.pool.budget_bytes}
 
     # --- prefix caching -------------------------------------------------------------------------------------
-    def _caches_with_prefix(self, seq: Sequence):
-        for (cache, _, _), prefix in zip(self._caches(seq), self.memory.prefix_caches):
-            if prefix is not None and isinstance(cache, StaticSequenceCache):
-                yield cache, prefix
-
     def _load_prefix(self, seq: Sequence) -> bool:
         """Before a sequence first runs (or reruns after preemption): copy the kept blocks of its longest
         known prefix into its empty caches. False when the pool could not hold them (it waits). A sequence
         that asked for prompt_logprobs loads none: its first forward scores every prompt row."""
-        if seq.wants_prompt_logprobs:
+        if seq.wants_prompt_logprobs or not self.memory.prefix_caching:
             return True
-        for cache, prefix in self._caches_with_prefix(seq):
-            if len(cache):
-                continue
-            if self.pool is not None:
-                cache.attach_pool(self.pool)
-            try:
-                loaded = prefix.load(cache, seq.token_ids)
-            except KVPoolFull:
-                return False
-            if cache is seq.target_cache:
-                seq.metrics.num_cached_tokens = max(seq.metrics.num_cached_tokens, loaded)
+        if not self.memory.load_prefix(seq):
+            return False
+        # A waiting sequence's caches are empty (new, released, or preempted): what they hold now was loaded.
+        seq.metrics.num_cached_tokens = max(seq.metrics.num_cached_tokens, len(seq.target_cache))
         return True
-
-    def _store_prefix(self, seq: Sequence) -> None:
-        for cache, prefix in self._caches_with_prefix(seq):
-            prefix.store(cache)
 
     def kv_measured_bytes(self) -> int:
         """The bytes the live sequences' cache tensors actually take now (native caches; with or without a
@@ -270,36 +290,14 @@ class Scheduler:
             total += seq.target_cache.nbytes + (seq.draft_state.nbytes if seq.draft_state is not None else 0)
         return total
 
-    def _caches(self, seq: Sequence) -> list[tuple[object, object, int]]:
-        """(cache, runner, bytes per token) of each cache of `seq` that the budget counts."""
-        caches = [(seq.target_cache, self._runners[0], self._bytes_per_token[0])]
-        if len(self._runners) > 1 and seq.draft_state is not None:  # the draft model's cache (draft_runner's)
-            caches.append((seq.draft_state.kv_cache, self._runners[1], self._bytes_per_token[1]))
-        return caches
-
     def _next_step_lengths(self, seq: Sequence) -> list[int]:
-        """The positions each counted runner's cache needs for `seq`'s next step: its history + K + 1 (K: a token
-        tree's nodes where trees are on; the
-        draft's history is the target's unless the draft has another tokenizer)."""
-        extra = self.engine.max_step_drafts + 1
-        return [len(seq.token_ids) + extra, len(self.engine.proposer.draft_history(seq)) + extra][:len(self._runners)]
+        """The positions each counted cache needs for `seq`'s next step: its history + K + 1 (K: a token tree's
+        nodes where trees are on; the draft's history is the target's unless the draft has another tokenizer)."""
+        return self.memory.next_step_lengths(seq, self.engine.max_step_drafts + 1)
 
     def _reserve(self, seq: Sequence) -> bool:
         """Make every counted cache of `seq` able to hold what its next step may write."""
-        return all(self.pool.ensure(cache, length, bpt, runner.max_len)
-                   for (cache, runner, bpt), length in zip(self._caches(seq), self._next_step_lengths(seq)))
-
-    def _release_blocks(self, seq: Sequence) -> None:
-        """Give the pool back the blocks of seq's caches (target and draft model)."""
-        if self.pool is None:
-            return
-        for cache in (seq.target_cache, seq.draft_state.kv_cache if seq.draft_state is not None else None):
-            if cache is None:
-                continue
-            if isinstance(cache, StaticSequenceCache):
-                cache.release()
-            else:
-                self.pool.release(cache)
+        return self.memory.reserve(seq, self.engine.max_step_drafts + 1)
 
     def _grow_running(self) -> None:
         """Before a step: every running sequence must be able to grow to what the step may write; where the
@@ -317,9 +315,8 @@ class Scheduler:
         whole history (prompt and output) as a prompt when it is admitted again."""
         request, index = item
         seq = request.sequences[index]
-        self._release_blocks(seq)
-        seq.target_cache = self.engine.target.new_cache()
-        self.engine.proposer.release(seq, preempted=True)  # a fresh draft state; a suffix doc goes on
+        self.memory.release(seq)
+        self.engine.detach(seq, preempted=True)  # a fresh draft state; a suffix doc goes on
         self.waiting.appendleft(item)
         self.num_preemptions += 1
 
@@ -330,9 +327,9 @@ class Scheduler:
         - 1 tokens and reserves K + 1 more positions. A draft's generated part is counted one draft token per
         target token; where it translates into more, the no-progress guard of step() ends the request."""
         grown = params.max_tokens - 1
-        histories = [len(prompt_ids), self.engine.proposer.draft_length(prompt_ids)][:len(self._runners)]
+        histories = self.memory.prompt_lengths(prompt_ids)
         extra = self.engine.max_step_drafts + 1
-        need = self._bytes_for([min(length + grown, self.engine.max_len - 1) + extra for length in histories])
+        need = self.memory.bytes_for([min(length + grown, self.engine.max_len - 1) + extra for length in histories])
         if need > self.pool.budget_bytes:
             drafted = f", the draft reading it as {histories[1]} of its own tokens" \
                 if len(histories) > 1 and histories[1] != histories[0] else ""
@@ -343,12 +340,6 @@ class Scheduler:
                 f"{self.pool.total_blocks} ({self.pool.max_tokens} tokens); lower max_tokens, shorten the prompt "
                 "or raise kv_cache_memory")
 
-    def _bytes_for(self, lengths: list[int]) -> int:
-        """The KV bytes of caches of these lengths (one per counted runner, each capped by its context), in
-        whole blocks."""
-        return sum(round_up(min(length, runner.max_len)) * bpt
-                   for length, runner, bpt in zip(lengths, self._runners, self._bytes_per_token))
-
     def _fail_unschedulable(self) -> None:
         """The no-progress guard: nothing is running, so the first waiting sequence had the whole pool (less
         what other schedulers of this LLM hold; kept prefixes are reclaimed) and could still not start. It
@@ -357,7 +348,7 @@ class Scheduler:
         request, index = self.waiting[0]
         seq = request.sequences[index]
         lengths = self._next_step_lengths(seq)
-        need = self._bytes_for(lengths)
+        need = self.memory.bytes_for(lengths)
         held_elsewhere = self.pool.used_bytes - self.memory.prefix_bytes() if self.pool is not None else 0
         self.abort_request(request.request_id)
         for other in request.sequences:

@@ -205,6 +205,7 @@ class Sequence:
         self.params = params
         self.generator = generator
         self.device = device
+        # The penalties' history (Engine.attach moves it into the engine's PenaltyTable, shared by its sequences).
         self.penalties = sampling.PenaltyHistory(prompt_ids, vocab_size, device) if params.uses_penalties else None
         self.target_cache: SequenceCache = SequenceCache()
         self.draft_state: DraftState | None = None  # the proposer's (new_state, release)
@@ -222,6 +223,10 @@ class Sequence:
         self.grammar: GrammarState | None = None
         self._token_ids = list(prompt_ids)
         self._log_noise: dict[int, torch.Tensor] = {}  # output position -> log E [V] (see log_noise)
+        # (cache, its length) as the engine's last commit left them: the cache then held token_ids[:length], and
+        # commits only append, so while the same cache still has that length its tokens need no comparing
+        # (truncate_output, the one edit that removes tokens, clears it).
+        self.cache_mark: tuple[Any, int] | None = None
 
     def acceptance_for(self, kind: str, prior: adaptive.AcceptancePrior | None = None) -> adaptive.AcceptanceStats:
         """This sequence's acceptance estimates for drafts of `kind` (Proposer.draft_kind): a draft that takes
@@ -262,6 +267,10 @@ class Sequence:
         position's noise is generated once instead of once per step that reaches it."""
         prefetch_log_noise([(self, first, count)], vocab)
         return torch.stack([self._log_noise[p] for p in range(first, first + count)])
+
+    def noise_rows(self, positions: list[int]) -> list[torch.Tensor]:
+        """log E [V] of each of these output positions, made already (prefetch_log_noise)."""
+        return [self._log_noise[p] for p in positions]
 
     def process(self, logits: torch.Tensor, pending: torch.Tensor, first_row: int = 0) -> torch.Tensor:
         """Apply the request's sampling parameters to `logits` [n, V] whose row j is the position after
@@ -319,6 +328,7 @@ class Sequence:
         """Keep the first `length` output tokens and finish (a stop string ended inside a step); the dropped
         tokens are uncounted from the acceptance metrics."""
         drop = len(self.output_ids) - length
+        self.cache_mark = None
         if drop > 0:
             for code in self.provenance[length:]:
                 self.metrics.count_emitted(code, -1)

@@ -82,6 +82,10 @@ class StepBatch:
     def device(self) -> torch.device:
         return self.draft_token_ids.device
 
+    def num_rows_of(self, i: int) -> int:
+        """Sequence i's rows, k_i + 1."""
+        return self.cu_num_rows[i + 1] - self.cu_num_rows[i]
+
     def rows(self, i: int) -> tuple[int, int]:
         """(lo, hi): sequence i's rows of the logits, hi - lo = k_i + 1."""
         return self.cu_num_rows[i], self.cu_num_rows[i + 1]

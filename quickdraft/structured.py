@@ -16,72 +16,30 @@ schema ahead of time), validates a draft in one call, rolls back rejected tokens
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.params import StructuredOutputs
 from quickdraft.token_bytes import decoder_kinds, token_bytes
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+__all__ = ["StructuredOutputs", "GrammarState", "compile_matcher", "grammar_text", "grammar_tokenizer", "masked_rows"]
 
+def grammar_text(constraint: StructuredOutputs) -> str:
+    """The llguidance grammar of a constraint."""
+    import llguidance
 
-@dataclass(frozen=True)
-class StructuredOutputs:
-    """What a request's output must match (vLLM's StructuredOutputsParams names): exactly one of a JSON schema
-    (`json`: a dict or its JSON text), a `regex`, a `choice` of strings, a `grammar` (Lark or GBNF), or
-    `json_object` (any JSON object)."""
-
-    json: dict[str, Any] | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool = False
-
-    def __post_init__(self) -> None:
-        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
-        if len(given) != 1:
-            raise QuickdraftError(f"structured_outputs takes exactly one of {', '.join(KINDS)}; got "
-                                  f"{', '.join(given) or 'none'}")
-        if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise QuickdraftError("structured_outputs json must be a JSON schema (a dict or its JSON text)")
-        if self.regex is not None and not isinstance(self.regex, str):
-            raise QuickdraftError("structured_outputs regex must be a string")
-        if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
-                                            and all(isinstance(c, str) and c for c in self.choice)):
-            raise QuickdraftError("structured_outputs choice must be a non-empty list of non-empty strings")
-        if self.grammar is not None and not isinstance(self.grammar, str):
-            raise QuickdraftError("structured_outputs grammar must be a string (Lark or GBNF)")
-        if not isinstance(self.json_object, bool):
-            raise QuickdraftError("structured_outputs json_object must be true or false")
-
-    @staticmethod
-    def of(value: "StructuredOutputs | dict[str, Any]") -> "StructuredOutputs":
-        if isinstance(value, StructuredOutputs):
-            return value
-        if not isinstance(value, dict):
-            raise QuickdraftError(f"structured_outputs must be a StructuredOutputs or a dict with one of "
-                                  f"{', '.join(KINDS)}, got {type(value).__name__}")
-        unknown = sorted(set(value) - set(KINDS))
-        if unknown:
-            raise QuickdraftError(f"structured_outputs has unknown fields {unknown}; use one of {', '.join(KINDS)}")
-        return StructuredOutputs(**value)
-
-    def grammar_text(self) -> str:
-        """The llguidance grammar of this constraint."""
-        import llguidance
-
-        if self.json is not None:
-            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            return llguidance.LLMatcher.grammar_from_json_schema(schema)
-        if self.json_object:
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
-        if self.regex is not None:
-            return llguidance.LLMatcher.grammar_from_regex(self.regex)
-        if self.choice is not None:
-            return llguidance.grammar_from("choice", json.dumps(list(self.choice)))
-        return llguidance.grammar_from("grammar", self.grammar)
+    if constraint.json is not None:
+        schema = json.loads(constraint.json) if isinstance(constraint.json, str) else constraint.json
+        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+    if constraint.json_object:
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+    if constraint.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(constraint.regex)
+    if constraint.choice is not None:
+        return llguidance.grammar_from("choice", json.dumps(list(constraint.choice)))
+    return llguidance.grammar_from("grammar", constraint.grammar)
 
 
 def _byte_table_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: list[int]):
@@ -148,7 +106,7 @@ def compile_matcher(grammar_tokenizer_: Any, constraint: StructuredOutputs):
     import llguidance
 
     try:
-        text = constraint.grammar_text()
+        text = grammar_text(constraint)
     except (ValueError, json.JSONDecodeError) as exc:
         raise QuickdraftError(f"structured_outputs: {exc}") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, grammar_tokenizer_)

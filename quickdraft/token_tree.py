@@ -178,6 +178,16 @@ class TokenTree:
         return self.num_nodes + 1
 
     @property
+    def parent_list(self) -> list[int]:
+        """parents as host integers [N] (-1: a child of the root)."""
+        return self._parent_list
+
+    @property
+    def depth_list(self) -> list[int]:
+        """depth as host integers [N]."""
+        return self._depth_list
+
+    @property
     def max_depth(self) -> int:
         return max(self._depth_list, default=0)
 

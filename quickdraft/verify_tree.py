@@ -15,7 +15,8 @@ Three kinds of request, as verify.py has them:
   with the rule exact for how they were chosen (tree_acceptance has the rules and their derivation).
 
 Pure tensor functions with no host synchronisation; tensors carry leading batch dimensions [...] (trees of one
-shape; one tree has none). The caller reads the verdict once per step.
+shape; one tree has none). match_trees applies the greedy and seeded rule to the trees of a whole step at once,
+over their flattened nodes. The caller reads the verdict once per step.
 """
 
 from __future__ import annotations
@@ -79,6 +80,47 @@ def _check_rows(tree: TokenTree, rows: torch.Tensor, what: str) -> None:
     if rows.shape[-2] != tree.num_rows:
         raise ValueError(f"{what} has {rows.shape[-2]} rows; a tree of {tree.num_nodes} nodes needs "
                          f"{tree.num_rows} (the root's row, then one per node)")
+
+
+class FlatTreeVerdict(NamedTuple):
+    """The verdicts of several trees over their flattened nodes (tree t's nodes after tree t - 1's): accepted
+    [sum N_t] bool (each tree's accepted root path); num_accepted, last_row and next_token [T] long per tree
+    (last_row within the tree's own rows, 0: none accepted)."""
+
+    accepted: torch.Tensor
+    num_accepted: torch.Tensor
+    last_row: torch.Tensor
+    next_token: torch.Tensor
+
+
+def match_trees(trees: list[TokenTree], row_starts: list[int], target_tokens: torch.Tensor) -> FlatTreeVerdict:
+    """Greedy matching of the target's tokens [num_rows] (argmax, or seeded draws) for every tree of a step at
+    once: tree t's rows start at row_starts[t] (its root's, then one per node). The rule of _match per tree, over
+    the flattened nodes: a node is ok where its token is the target's at its parent's row; the deepest node whose
+    whole path is ok wins (ties: the first), through one block-diagonal ancestor matrix."""
+    device = target_tokens.device
+    largest = max(tree.num_nodes for tree in trees)
+    parent_rows, depth, local, owner, offsets = [], [], [], [], []
+    for t, (tree, start) in enumerate(zip(trees, row_starts)):
+        offsets.append(len(local))
+        parent_rows += [start + parent + 1 for parent in tree.parent_list]
+        depth += tree.depth_list
+        local += range(tree.num_nodes)
+        owner += [t] * tree.num_nodes
+    host = torch.tensor([parent_rows, depth, local, owner], dtype=torch.long).to(device)
+    parent_rows_t, depth_t, local_t, owner_t = host
+    starts = torch.tensor([row_starts, offsets], dtype=torch.long).to(device)
+    tokens = torch.cat([tree.tokens.reshape(-1) for tree in trees]).to(device)
+    ancestors = torch.block_diag(*[tree.ancestors for tree in trees]).to(device)  # [D, D]
+    ok = target_tokens[parent_rows_t] == tokens
+    full = ~(ancestors & ~ok[None, :]).any(-1)  # the node and every ancestor of it are ok
+    score = torch.where(full, depth_t * (largest + 1) + (largest - local_t), 0)  # deeper first, then earlier
+    best = torch.zeros(len(trees), dtype=torch.long, device=device).scatter_reduce(0, owner_t, score, "amax")
+    found = best > 0
+    best_local = torch.where(found, largest - best % (largest + 1), 0)
+    accepted = (ancestors[starts[1] + best_local] & found[:, None]).any(0)
+    last_row = torch.where(found, best_local + 1, 0)
+    return FlatTreeVerdict(accepted, best // (largest + 1), last_row, target_tokens[starts[0] + last_row])
 
 
 def tree_greedy_accept(tree: TokenTree, target_logits: torch.Tensor) -> TreeVerdict:

@@ -283,7 +283,7 @@ def test_the_engine_learns_a_prior_per_draft_kind():
     def first_drafting_step(engine, prompt):
         seq = engine.new_sequence(prompt, SamplingParams(temperature=0, max_tokens=40))
         engine.step(seq)  # the prompt: no drafts
-        _record_cheap_drafts(engine.step_costs)  # before every step: the choices do not depend on timing
+        _record_cheap_drafts(engine.policy.step_costs)  # before every step: the choices do not depend on timing
         engine.step(seq)
         return seq, seq.metrics.proposed_tokens
 
@@ -291,16 +291,16 @@ def test_the_engine_learns_a_prior_per_draft_kind():
     for i in range(4):
         seq, _ = first_drafting_step(experienced, [2, 7, 1, 8 + i])
         while not seq.finished:
-            _record_cheap_drafts(experienced.step_costs)
+            _record_cheap_drafts(experienced.policy.step_costs)
             experienced.step(seq)
         assert seq.metrics.accepted_tokens == seq.metrics.proposed_tokens > 0
-    prior = experienced.acceptance_prior("model")
+    prior = experienced.policy.acceptance_prior("model")
     assert prior.rate(0) > 0.9
     seq, drafted = first_drafting_step(experienced, [3, 1, 4, 1, 5])
     assert drafted == 4 and seq.acceptance_for("model").prior is prior
     assert first_drafting_step(engine(), [3, 1, 4, 1, 5])[1] == 1  # no history: the fixed prior of 0.6 a position
-    assert experienced.acceptance_prior("lookup").reached == []
-    lookup = seq.acceptance_for("lookup", experienced.acceptance_prior("lookup"))
+    assert experienced.policy.acceptance_prior("lookup").reached == []
+    lookup = seq.acceptance_for("lookup", experienced.policy.acceptance_prior("lookup"))
     assert lookup.rate(0) == adaptive.PRIOR_ACCEPTANCE
     assert choose_k(lookup, _record_cheap_drafts(StepCosts(4)), 4) == 1
 
@@ -310,7 +310,7 @@ def test_engine_drops_to_plain_decoding_when_drafts_never_match():
     llm = LLM(target, speculative_config={"method": "draft_model", "model": tiny_llama(seed=9),
                                           "num_speculative_tokens": 4})
     for k in range(5):  # a draft step costs like a target step here, and the draft is a different model
-        llm.engine.step_costs.record(k, 1.0 + 1.0 * k)
+        llm.engine.policy.step_costs.record(k, 1.0 + 1.0 * k)
     out = llm.generate({"prompt_token_ids": [3, 1, 4, 1, 5]}, SamplingParams(temperature=0, max_tokens=60))[0]
     m = out.metrics
     # Some steps still probe, as the estimates decay toward the prior, but most are plain.
@@ -337,10 +337,10 @@ def test_a_draft_catching_up_after_plain_steps_is_not_timed_as_the_cost_of_draft
     adaptive = Engine(llm.target, proposer, 2, adaptive_k=True)
     for _ in range(6):
         plain.step(seq)
-    adaptive.step_costs.record(0, 0.01)
-    before = dict(adaptive.step_costs.curve.points)
+    adaptive.policy.step_costs.record(0, 0.01)
+    before = dict(adaptive.policy.step_costs.curve.points)
     adaptive.step(seq)  # max K with costs unmeasured -> drafts, after a catch-up: not recorded
-    assert adaptive.step_costs.curve.points == before
+    assert adaptive.policy.step_costs.curve.points == before
 
 
 def _stats(proposed, accepted, times=40):

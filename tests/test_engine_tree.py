@@ -16,7 +16,10 @@ import torch
 from conftest import tiny_llama16
 from quickdraft.drafts.base import Proposal, Proposer, TreeSettings
 from quickdraft.drafts.none import NoDraft
+from quickdraft import engine as engine_module
 from quickdraft.engine import Engine
+from quickdraft.step import verification
+from quickdraft.step.policy import SpeculationPolicy
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import cpu_linear
 from quickdraft.models.factory import native_runner
@@ -276,7 +279,7 @@ def test_auto_trees_keep_their_chain_and_the_chosen_nodes_and_stay_exact(runner,
         return [0 if len(calls) % 3 == 0 else min(3, len(c)) for c in chances]
 
     monkeypatch.setattr(adaptive, "choose_tree_nodes", choose)
-    monkeypatch.setattr(Engine, "_choose_ks", lambda self, seqs, kinds: [4] * len(seqs))  # depth 4 every step
+    monkeypatch.setattr(SpeculationPolicy, "choose_ks", lambda self, seqs, kinds: [4] * len(seqs))  # depth 4 every step
     candidates = []
 
     class ScoredTrees(RandomTreeProposer):
@@ -293,13 +296,13 @@ def test_auto_trees_keep_their_chain_and_the_chosen_nodes_and_stay_exact(runner,
     seq = engine.new_sequence(PROMPTS[0], sp)
     engine.proposer.oracle[id(seq)] = expected
     verified = []
-    original = engine._verify_batch
+    original = verification.verify_batch
 
-    def spy(seqs, logits, drafts, proposals):
-        verified.extend(p.tree for p in proposals if p.tree is not None)
-        return original(seqs, logits, drafts, proposals)
+    def spy(seqs, processed, batch, relaxed_threshold=None):
+        verified.extend(tree for tree in batch.trees if tree is not None)
+        return original(seqs, processed, batch, relaxed_threshold)
 
-    engine._verify_batch = spy
+    monkeypatch.setattr(engine_module, "verify_batch", spy)
     _run_batch(engine, [seq])
     assert seq.output_ids == expected
     assert len(verified) == len(candidates) == len(calls) > 3
@@ -350,12 +353,12 @@ def test_auto_calibrates_a_trees_chain_and_its_branches_apart(runner, monkeypatc
 
     sp = SamplingParams(max_tokens=24, temperature=0)
     expected = _plain(runner, PROMPTS[0], sp)
-    monkeypatch.setattr(Engine, "_choose_ks", lambda self, seqs, kinds: [4] * len(seqs))
+    monkeypatch.setattr(SpeculationPolicy, "choose_ks", lambda self, seqs, kinds: [4] * len(seqs))
     engine = Engine(runner, RightChainWrongBranch(expected), 4, tree=TreeSettings(12, 4, auto=True))
     seq = engine.new_sequence(PROMPTS[0], sp)
     _run_batch(engine, [seq])
     assert seq.output_ids == expected
-    parts = {part: calibration for (_, part), calibration in engine._tree_calibration.items()}
+    parts = {part: calibration for (_, part), calibration in engine.policy.tree_calibration.items()}
     assert set(parts) == {"chain", "branch"}
     assert parts["chain"].accepted > adaptive.PRIOR_WEIGHT and parts["chain"].factor > 1.0  # 4 of 4 against 3.1
     assert parts["branch"].accepted < adaptive.PRIOR_WEIGHT and parts["branch"].factor < 1.0  # never accepted

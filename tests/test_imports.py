@@ -1,5 +1,6 @@
-"""The package's import graph has no cycle: every import between quickdraft's files, those inside functions
-included (a lazy import is a circle put off until run time, not removed), read from the source with `ast`."""
+"""The package's import graph has no cycle and points down the layers: every import between quickdraft's files,
+those inside functions included (a lazy import is a circle put off until run time, not removed), read from the
+source with `ast`, goes to a module of the importer's own layer or of a layer below it (LAYERS)."""
 
 from __future__ import annotations
 
@@ -136,3 +137,56 @@ def test_the_package_has_no_import_cycle():
     assert not unexpected, f"import cycles (lazy imports count): {unexpected}"
     gone = [sorted(c) for c in KNOWN_CYCLES if c not in found]
     assert not gone, f"these known cycles are gone: drop them from KNOWN_CYCLES: {gone}"
+
+
+# The layers of README's "How it is built", top to bottom: a module may import its own layer's modules and those
+# of the layers below it, never above (a lazy import counts). Module names are matched by prefix ("quickdraft.kv"
+# is the package and its modules); the package's own __init__ is the face that re-exports the API.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("faces", ("quickdraft", "quickdraft.cli", "quickdraft.cli_args", "quickdraft.server", "quickdraft.offline",
+               "quickdraft.bench", "quickdraft.tools")),
+    ("API", ("quickdraft.api",)),
+    ("scheduling", ("quickdraft.scheduler",)),
+    ("step", ("quickdraft.engine", "quickdraft.step", "quickdraft.step_batch")),
+    ("drafts", ("quickdraft.drafts",)),
+    ("request state", ("quickdraft.sequence", "quickdraft.detokenize", "quickdraft.structured",
+                       "quickdraft.token_bytes")),
+    ("models", ("quickdraft.models",)),
+    ("memory", ("quickdraft.kv", "quickdraft.cache")),
+    ("pure core", ("quickdraft.verify", "quickdraft.verify_tree", "quickdraft.sampling", "quickdraft.speedup_model",
+                   "quickdraft.adaptive", "quickdraft.token_tree", "quickdraft.params", "quickdraft.errors")),
+    ("kernels", ("quickdraft.kernels", "quickdraft.progress")),  # progress: the loaders' and the build's bars
+]
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the module's layer (0 at the top): the longest prefix that names it."""
+    best, found = -1, None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), index
+    if found is None:
+        raise AssertionError(f"{module} is in no layer of LAYERS: add it to its layer")
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every edge from a module to one in a layer above its own."""
+    return sorted(f"{name} ({LAYERS[layer_of(name)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+                  for name, targets in graph.items() for target in targets if layer_of(target) < layer_of(name))
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"quickdraft.params": {"quickdraft.structured"}, "quickdraft.structured": {"quickdraft.params"},
+             "quickdraft.detokenize": {"quickdraft.engine"}}
+    assert upward_imports(graph) == [
+        "quickdraft.detokenize (request state) imports quickdraft.engine (step)",
+        "quickdraft.params (pure core) imports quickdraft.structured (request state)"]
+
+
+def test_every_module_imports_only_its_layer_or_below():
+    graph = import_graph()
+    for name in graph:
+        layer_of(name)  # every module has a layer
+    assert not upward_imports(graph), "imports that point up the layers:\n" + "\n".join(upward_imports(graph))

@@ -64,9 +64,9 @@ def _plain(prompts, sp):
 def _spy(monkeypatch, name):
     calls, original = [], getattr(verify, name)
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls.append(args)
-        return original(*args)
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(verify, name, spy)
     return calls
@@ -104,7 +104,7 @@ def test_greedy_and_seeded_sequences_share_one_greedy_accept_and_the_others_are_
             engine.new_sequence(PROMPTS[2], SamplingParams(temperature=0.8, max_tokens=12),
                                 torch.Generator().manual_seed(1))]
     greedy_calls = _spy(monkeypatch, "greedy_accept")
-    rejection_calls = _spy(monkeypatch, "rejection_sample")
+    rejection_calls = _spy(monkeypatch, "rejection_sample_rows")
     steps = 0
     while not any(seq.finished for seq in seqs):
         engine.step_batch(seqs)
@@ -112,8 +112,9 @@ def test_greedy_and_seeded_sequences_share_one_greedy_accept_and_the_others_are_
     assert len(greedy_calls) == steps  # one per step, over the whole batch
     assert all(len(call[2]) == 3 for call in greedy_calls)
     assert len(rejection_calls) == steps  # the unseeded sampled sequence only
-    assert all(call[2].shape[0] == 1 for call in rejection_calls)  # [B=1, k]
-    assert any(call[2].shape[1] == 3 for call in rejection_calls)  # drafts were verified, not only prompts
+    layouts = [call[1] for call in rejection_calls]
+    assert all(layout.num_draft_tokens.shape == (1,) for layout in layouts)  # [B=1]
+    assert any(layout.max_k == 3 for layout in layouts)  # drafts were verified, not only prompts
 
 
 def test_a_defect_planted_in_greedy_accept_reaches_the_output(monkeypatch):
@@ -124,7 +125,7 @@ def test_a_defect_planted_in_greedy_accept_reaches_the_output(monkeypatch):
     plain = _plain(PROMPTS, sp)
     assert [o.outputs[0].token_ids for o in _llm().generate(prompts, sp)] == plain
 
-    def accept_everything(target_tokens, draft_tokens, num_draft_tokens, passes=None):
+    def accept_everything(target_tokens, draft_tokens, num_draft_tokens, passes=None, layout=None):
         ks = torch.tensor(num_draft_tokens)
         bonus_rows = torch.cumsum(ks + 1, 0) - 1
         return ks, target_tokens[bonus_rows]

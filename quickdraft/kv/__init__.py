@@ -3,7 +3,7 @@
 (memory.py). Imports point down that list's reverse: memory -> prefix_cache -> static_cache -> pool. The paged
 pool of a batch (paged.py: block tables, prefix blocks shared by reference) imports only pool.py."""
 
-from quickdraft.kv.memory import DEFAULT_PREFIX_CACHE_TOKENS, KVMemory, cache_runners, estimate
+from quickdraft.kv.memory import DEFAULT_PREFIX_CACHE_TOKENS, CountedCaches, KVMemory, estimate
 from quickdraft.kv.paged import NULL_BLOCK, PagedKVPool, PagedSequence
 from quickdraft.kv.pool import (BLOCK_SIZE, KVPool, KVPoolFull, PoolGrantedCache, available_memory, check_budget,
                                 resolve_budget, round_up, runner_bytes_per_token)
@@ -12,4 +12,4 @@ from quickdraft.kv.static_cache import StaticSequenceCache
 
 __all__ = ["KVPool", "KVPoolFull", "KVMemory", "PrefixCache", "StaticSequenceCache", "PoolGrantedCache", "BLOCK_SIZE",
            "DEFAULT_PREFIX_CACHE_TOKENS", "estimate", "check_budget", "resolve_budget", "round_up",
-           "runner_bytes_per_token", "available_memory", "cache_runners", "PagedKVPool", "PagedSequence", "NULL_BLOCK"]
+           "runner_bytes_per_token", "available_memory", "CountedCaches", "PagedKVPool", "PagedSequence", "NULL_BLOCK"]

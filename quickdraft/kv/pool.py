@@ -95,6 +95,10 @@ class PoolGrantedCache:
         """Room for `length` positions, granted by the attached pool; KVPoolFull when it cannot grant them."""
         raise NotImplementedError
 
+    def release(self) -> None:
+        """Drop every position and give the granted blocks back to the pool."""
+        raise NotImplementedError
+
 
 class KVPool:
     def __init__(self, bytes_per_token: int, budget_bytes: int, block_size: int = BLOCK_SIZE):
@@ -176,6 +180,14 @@ class KVPool:
         entry = self._held.pop(id(cache), None)
         if entry is not None:
             self.used_bytes -= entry[1]
+
+    def release_cache(self, cache: Any) -> None:
+        """A sequence is done with `cache`: a cache that allocates what the pool grants drops its positions and
+        gives its blocks back itself; any other is released here (its blocks were accounted by its length)."""
+        if isinstance(cache, PoolGrantedCache):
+            cache.release()
+        else:
+            self.release(cache)
 
     def ensure(self, cache: Any, length: int, bytes_per_token: int, limit: int) -> bool:
         """Make `cache` able to hold `length` positions (at most `limit`, its runner's max_len), within the

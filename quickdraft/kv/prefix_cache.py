@@ -5,8 +5,11 @@ the blocks' tokens, as vLLM keys its blocks), least recently used evicted first,
 sequence whose tokens start with that prefix: its prompt is then computed from the first block not found.
 Caches stay one contiguous tensor per sequence (what the attention kernels read), so a reused block is
 copied (a memcpy of a few hundred KB) rather than shared in place: prefix caching saves the prefill's
-compute, not its memory. Under a budget the kept blocks live in the pool's free space and are evicted
-before any running sequence is preempted.
+compute, not its memory. Kept blocks are slots of slabs allocated SLAB_BLOCKS at a time and reused once
+evicted: a block stored as a sequence fills it is one copy into memory already mapped, not an allocation (a
+fresh allocation of a block's size faults in its pages, which cost more than the copy on a busy machine).
+Under a budget the kept blocks live in the pool's free space and are evicted before any running sequence is
+preempted.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import torch
 
 from quickdraft.kv.pool import BLOCK_SIZE, KVPool, runner_bytes_per_token
 from quickdraft.kv.static_cache import StaticSequenceCache
+
+
+SLAB_BLOCKS = 32  # blocks allocated at once
 
 
 def _chain(parent: bytes, tokens: list[int]) -> bytes:
@@ -46,16 +52,39 @@ class PrefixCache:
         self.block_bytes = runner_bytes_per_token(runner) * BLOCK_SIZE
         self.pool = pool
         self.max_blocks = max_blocks
-        self._blocks: OrderedDict[bytes, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()  # LRU first
+        self._blocks: OrderedDict[bytes, int] = OrderedDict()  # digest -> its slot; LRU first
+        self._slabs: list[tuple[torch.Tensor, torch.Tensor]] = []  # keys, values [SLAB_BLOCKS, *a block's shape]
+        self._free_slots: list[int] = []
         self.queried_tokens = 0  # prompt tokens looked up
         self.hit_tokens = 0  # of them, loaded from kept blocks
 
     def __len__(self) -> int:
         return len(self._blocks)
 
+    @staticmethod
+    def copies(runner: Any) -> bool:
+        """Whether `runner`'s caches are ones a prefix cache copies block by block (StaticSequenceCache)."""
+        return isinstance(runner.new_cache(), StaticSequenceCache)
+
     @property
     def nbytes(self) -> int:
         return len(self._blocks) * self.block_bytes
+
+    def _slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self._slabs[slot // SLAB_BLOCKS]
+        return keys[slot % SLAB_BLOCKS], values[slot % SLAB_BLOCKS]
+
+    def _new_slot(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """A free slot for a block shaped like keys and values (a new slab when none is free)."""
+        if not self._free_slots:
+            first = len(self._slabs) * SLAB_BLOCKS
+            self._slabs.append((keys.new_empty((SLAB_BLOCKS, *keys.shape)),
+                                values.new_empty((SLAB_BLOCKS, *values.shape))))
+            self._free_slots = list(range(first + SLAB_BLOCKS - 1, first - 1, -1))
+        return self._free_slots.pop()
+
+    def _drop_oldest(self) -> None:
+        self._free_slots.append(self._blocks.popitem(last=False)[1])
 
     def _touch(self, digests: list[bytes]) -> None:
         for digest in reversed(digests):  # the head last: the most recently used
@@ -77,10 +106,11 @@ class PrefixCache:
         if not digests:
             return 0
         positions = len(digests) * BLOCK_SIZE
-        blocks = [self._blocks[digest] for digest in digests]  # held here: reserving may evict them
+        # Read after reserving: reserving may evict them, but no block is stored (no slot rewritten) before the copy.
+        slots = [self._blocks[digest] for digest in digests]
         self._touch(digests)
         cache.reserve(positions)
-        cache.write_blocks(blocks, token_ids[:positions])
+        cache.write_blocks([self._slot(slot) for slot in slots], token_ids[:positions])
         cache.block_digests = digests
         self.hit_tokens += positions
         return positions
@@ -104,7 +134,12 @@ class PrefixCache:
                 if not self._make_room(protect=set(digests)):
                     chained = False  # later blocks could not be found without this one
                     continue
-                self._blocks[digest] = cache.read_block(index)
+                keys, values = cache.block(index)
+                slot = self._new_slot(keys, values)
+                slot_keys, slot_values = self._slot(slot)
+                slot_keys.copy_(keys)
+                slot_values.copy_(values)
+                self._blocks[digest] = slot
         self._touch(self._kept_head(digests))
 
     def _kept_head(self, digests: list[bytes]) -> list[bytes]:
@@ -125,14 +160,14 @@ class PrefixCache:
             return True
         if not self._blocks or next(iter(self._blocks)) in protect:
             return False
-        self._blocks.popitem(last=False)  # its bytes (or its place under the cap) go to the new block
+        self._drop_oldest()  # its bytes (or its place under the cap) go to the new block
         return True
 
     def evict(self, nbytes: int) -> int:
         """Drop least recently used blocks until nbytes are freed (or none is left); returns the bytes freed."""
         freed = 0
         while self._blocks and freed < nbytes:
-            self._blocks.popitem(last=False)
+            self._drop_oldest()
             freed += self.block_bytes
         if self.pool is not None and freed:
             self.pool.give(self, freed)
@@ -140,3 +175,4 @@ class PrefixCache:
 
     def clear(self) -> None:
         self.evict(self.nbytes)
+        self._slabs, self._free_slots = [], []

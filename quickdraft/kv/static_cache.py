@@ -105,11 +105,16 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
         self._pending = []
         self.block_digests = []
 
-    def read_block(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the keys and values of positions [16 index, 16 index + 16) (all layers and heads)."""
+    def block(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the keys and values of positions [16 index, 16 index + 16) (all layers and heads)."""
         lo, hi = index * self.BLOCK, (index + 1) * self.BLOCK
         keys = self.keys[:, :, index] if self._runner.packed_keys else self.keys[:, :, lo:hi]
-        return keys.clone(), self.values[:, :, lo:hi].clone()
+        return keys, self.values[:, :, lo:hi]
+
+    def read_block(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values of positions [16 index, 16 index + 16) (all layers and heads)."""
+        keys, values = self.block(index)
+        return keys.clone(), values.clone()
 
     def write_blocks(self, blocks: list[tuple[torch.Tensor, torch.Tensor]], token_ids: list[int]) -> None:
         """Fill an empty cache with `blocks` (read_block's copies) as the positions of token_ids (16 per

@@ -97,7 +97,7 @@ def test_unread_history_is_the_prompt_until_the_draft_reads_it_and_adaptive_k_le
     llm = _llm(adaptive=True)
     scheduler = llm.new_scheduler()
     scheduler.add_request("a", list(range(1, 30)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    proposer, costs = llm.engine.proposer, llm.engine.step_costs_of("model")
+    proposer, costs = llm.engine.proposer, llm.engine.policy.step_costs_of("model")
     scheduler.step()
     seq = scheduler.running[0][0].sequences[0]
     assert proposer.unread_history(seq) == len(seq.token_ids) == 30

@@ -49,13 +49,13 @@ def test_lookup_steps_cost_no_draft_forward_and_are_priced_apart():
         if kind == "lookup":
             assert proposer.forwards == before  # free
     assert {"lookup", "model"} <= kinds_seen
-    lookup_costs, model_costs = engine.step_costs_of("lookup"), engine.step_costs_of("model")
+    lookup_costs, model_costs = engine.policy.step_costs_of("lookup"), engine.policy.step_costs_of("model")
     assert lookup_costs is not model_costs and lookup_costs.curve.points and model_costs.curve.points
     assert seq.acceptance_for("lookup") is not seq.acceptance_for("model")
     # Each kind starts from (and feeds) its own engine-wide prior: a lookup's acceptance is not a model's.
-    assert seq.acceptance_for("lookup").prior is engine.acceptance_prior("lookup")
-    assert seq.acceptance_for("model").prior is engine.acceptance_prior("model")
-    assert engine.acceptance_prior("model") is not engine.acceptance_prior("lookup")
+    assert seq.acceptance_for("lookup").prior is engine.policy.acceptance_prior("lookup")
+    assert seq.acceptance_for("model").prior is engine.policy.acceptance_prior("model")
+    assert engine.policy.acceptance_prior("model") is not engine.policy.acceptance_prior("lookup")
     assert sum(seq.acceptance_for("lookup").reached) > 0 and sum(seq.acceptance_for("model").reached) > 0
 
 

@@ -141,7 +141,7 @@ def test_pool_is_empty_after_many_requests_with_random_aborts():
     assert scheduler.pool.num_caches == 0 and not scheduler.requests
 
 
-def test_an_exception_in_a_step_frees_its_blocks():
+def test_an_exception_in_a_step_frees_its_blocks(monkeypatch):
     llm = LLM(tiny_llama(seed=0), speculative_config={"method": "ngram", "num_speculative_tokens": 2},
               kv_cache_memory=1 << 20)
     scheduler = llm.new_scheduler()
@@ -152,9 +152,7 @@ def test_an_exception_in_a_step_frees_its_blocks():
     def broken(seqs):
         raise RuntimeError("boom")
 
-    scheduler.engine = type("E", (), {"step_batch": staticmethod(broken), "k": llm.engine.k,
-                                      "max_step_drafts": llm.engine.max_step_drafts,
-                                      "target": llm.target, "proposer": llm.proposer})()
+    monkeypatch.setattr(scheduler.engine, "step_batch", broken)
     with pytest.raises(RuntimeError, match="boom"):
         scheduler.step()
     assert scheduler.kv_usage["used_blocks"] == 0 and not scheduler.has_unfinished()

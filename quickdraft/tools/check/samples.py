@@ -20,16 +20,12 @@ def _sample_rejection(llm: "LLM", ids: list[list[int]], per_prompt: list[int], p
     completions each, prompts in turn. Returns (samples per prompt, the sequences' metrics)."""
     import torch
 
-    from quickdraft.scheduler import Scheduler
+    from quickdraft.scheduler import Scheduler, SequenceSetup
 
     engine = llm.engine
     generator = torch.Generator(device=engine.device).manual_seed(generator_seed)
-
-    def make_sequences(prompt_ids, request_params):
-        return [engine.new_sequence(prompt_ids, request_params, generator, None) for _ in range(request_params.n)]
-
-    scheduler = Scheduler(engine, llm.tokenizer, llm.max_num_seqs, llm.max_num_batched_tokens, make_sequences,
-                          memory=llm.kv_memory)
+    scheduler = Scheduler(engine, llm.tokenizer, llm.max_num_seqs, llm.max_num_batched_tokens,
+                          lambda request_params: [SequenceSetup(generator)] * request_params.n, memory=llm.kv_memory)
     remaining = list(per_prompt)
     requests: list[tuple[int, Any]] = []
     while any(remaining):

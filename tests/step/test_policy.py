@@ -1,0 +1,98 @@
+"""step/policy.py: each sequence's draft length (its own cap, adaptive K alone and in a batch), and what a step
+teaches the policy; per-request speculation control through the API (SamplingParams.num_speculative_tokens)."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import tiny_llama
+from quickdraft import LLM, SamplingParams
+from quickdraft.drafts import NgramProposer
+from quickdraft.sequence import Sequence
+from quickdraft.step.policy import SpeculationPolicy
+
+CPU = torch.device("cpu")
+
+
+class _Cache(list):
+    """A target cache of some length (the policy reads only len())."""
+
+
+def _decoding(params: SamplingParams, prompt=(1, 2, 3, 1, 2)) -> Sequence:
+    seq = Sequence(list(prompt), params, None, CPU, 32)
+    seq.target_cache = _Cache([0] * (len(prompt) - 1))  # the prompt read: one token to feed
+    return seq
+
+
+def _policy(k=4, adaptive_k=True) -> SpeculationPolicy:
+    return SpeculationPolicy(NgramProposer(), k, adaptive_k, None, 256)
+
+
+def test_a_requests_own_cap_bounds_its_drafts_and_zero_turns_speculation_off():
+    policy = _policy(adaptive_k=False)
+    seqs = [_decoding(SamplingParams(max_tokens=50)), _decoding(SamplingParams(max_tokens=50, num_speculative_tokens=2)),
+            _decoding(SamplingParams(max_tokens=50, num_speculative_tokens=0)),
+            _decoding(SamplingParams(max_tokens=50, num_speculative_tokens=9)),  # above K: K
+            _decoding(SamplingParams(max_tokens=3))]  # max_tokens leaves room for 2 drafts
+    assert [policy.cap_k(seq) for seq in seqs] == [4, 2, 0, 4, 2]
+    reading = Sequence([1, 2, 3, 4], SamplingParams(), None, CPU, 32)
+    reading.target_cache = _Cache()
+    assert policy.cap_k(reading) == 0  # a prompt goes through with no drafts
+
+
+def test_adaptive_k_stops_drafting_where_a_draft_cannot_pay():
+    """Measured costs where every verification row costs as much as a plain step and drafts are never accepted:
+    the batch drafts nothing; a request alone whose drafts are rejected drafts nothing either."""
+    policy = _policy()
+    seqs = [_decoding(SamplingParams(max_tokens=50)) for _ in range(4)]
+    kinds = ["lookup"] * len(seqs)
+    for _ in range(9):
+        for rows in range(4, 30):
+            policy.batch_costs.record(rows, 0.01 * rows, 4, 0, 0.001)
+    for seq in seqs:
+        for _ in range(30):
+            policy.acceptance(seq, "lookup").update(4, 0)
+    assert policy.choose_ks(seqs, kinds) == [0, 0, 0, 0]
+    good = _policy()
+    for _ in range(9):
+        for rows in range(4, 30):
+            good.batch_costs.record(rows, 0.01 + 0.0001 * rows, 4, 0, 0.0001)
+    for seq in seqs:
+        for _ in range(30):
+            good.acceptance(seq, "lookup").update(4, 4)
+    assert good.choose_ks(seqs, kinds) == [4, 4, 4, 4]  # cheap rows, drafts all accepted: every cap
+
+    alone = _policy()
+    for _ in range(9):
+        for k in range(5):
+            alone.step_costs.record(k, 1.0 + 0.5 * k)
+    seq = _decoding(SamplingParams(max_tokens=50))
+    for _ in range(30):
+        alone.acceptance(seq, "lookup").update(4, 0)
+    assert alone.choose_ks([seq], ["lookup"]) == [0]
+
+
+def test_fixed_k_takes_each_cap_and_the_step_feeds_acceptance_only_when_adaptive():
+    fixed = _policy(adaptive_k=False)
+    seq = _decoding(SamplingParams(max_tokens=50, num_speculative_tokens=3))
+    assert fixed.choose_ks([seq, _decoding(SamplingParams(max_tokens=50))], ["lookup"] * 2) == [3, 4]
+
+
+def _plain(prompt, params):
+    return LLM(tiny_llama(seed=0), dtype="float32").generate([{"prompt_token_ids": prompt}], params)[0]
+
+
+def test_per_request_speculation_control_through_the_api():
+    """SamplingParams.num_speculative_tokens through LLM.generate: 0 drafts nothing for that request, 2 drafts at
+    most two a step; the default stays adaptive; every text is plain greedy text."""
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+    llm = LLM(tiny_llama(seed=0), dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert llm.engine.adaptive_k  # adaptive is the default
+    expected = _plain(prompt, SamplingParams(temperature=0, max_tokens=24)).outputs[0].token_ids
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 3,
+                        [SamplingParams(temperature=0, max_tokens=24, num_speculative_tokens=n) for n in (0, 2, None)])
+    off, capped, default = (out.metrics for out in outs)
+    assert [out.outputs[0].token_ids for out in outs] == [expected] * 3
+    assert off.proposed_tokens == 0 and off.num_drafts == 0
+    assert capped.proposed_tokens > 0 and len(capped.proposed_per_position) <= 2
+    assert default.proposed_tokens > 0

@@ -34,8 +34,9 @@ class SequenceCache:
 
     @property
     def token_ids(self) -> list[int]:
-        if self._pending:
-            self._token_ids.extend(torch.cat(self._pending).tolist())
+        if self._pending:  # one forward's tokens as a rule: read without a concatenation (a step reads every cache)
+            pending = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending)
+            self._token_ids.extend(pending.tolist())
             self._pending.clear()
         return self._token_ids
 

@@ -201,6 +201,23 @@ def test_sync_completions_equal_generate(served):
         assert not chunks[-1].choices and chunks[-1].usage == out.usage
 
 
+def test_speculation_per_request_through_extra_body(served):
+    """quickdraft's num_speculative_tokens in the OpenAI client's extra_body: 0 turns speculation off for that
+    request, 1 caps its drafts at one a step (the server's K is 4); the text is the same."""
+    client = served.client()
+    prompt = served.prompts[0]
+    expected = served.completion(prompt).outputs[0].text
+    spec = {}
+    for k in (0, 1, None):
+        out = client.completions.create(model=served.name, prompt=prompt, max_tokens=served.max_tokens,
+                                        temperature=0, extra_body={} if k is None else {"num_speculative_tokens": k})
+        assert out.choices[0].text == expected
+        spec[k] = out.model_extra["spec_decode"]
+    assert spec[0]["draft_tokens"] == 0
+    assert 0 < spec[1]["draft_tokens"] == spec[1]["num_drafts"]  # one token a draft
+    assert spec[None]["draft_tokens"] > 0  # the server's own K otherwise
+
+
 def test_sync_chat_equals_llm_chat(served):
     client = served.client()
     for messages in served.chats:

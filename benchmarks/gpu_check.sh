@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp/quickdraft-gpu}
 mkdir -p "$OUT"
 if [[ "${1:-}" == "--cpu" ]]; then
   # The static-shape path's tests on the CPU, then the targets' script at a toy size.
-  QUICKDRAFT_TEST_DEVICE=cpu timeout 420 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+  QUICKDRAFT_TEST_DEVICE=cpu timeout 1200 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
     tests/models/test_cuda_graphs.py 2>&1 | tail -5
   timeout 300 "$PYTHON" benchmarks/cuda_costs.py --device cpu --dtype float32 --target tiny --draft tiny --rounds 3 \
     --tokens 16 --repeats 1 --out "$OUT/cuda-costs-cpu.json" 2>&1 | tee "$OUT/cuda-costs-cpu.log" | tail -40

@@ -23,6 +23,7 @@ against the reference runner (models/torch_runner.py), tests/test_cuda.py throug
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -35,6 +36,8 @@ from quickdraft.models.base import TreeAttention
 from quickdraft.models.decoder import DecoderRunner
 from quickdraft.models.tree_mask import static_visibility
 from quickdraft.models.weights import DecoderWeights, Layer
+
+log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # a sequence's rows are padded to one of these
 GRAPH_MAX_ROWS = ROW_BUCKETS[-1]  # forwards of more rows in all (prefills) run eagerly: launches matter little
@@ -124,7 +127,7 @@ class CudaRunner(DecoderRunner):
         # kernels, so the same results: what tests compare the graphs with).
         self.capture_graphs = self.device.type == "cuda"
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self._seen: OrderedDict[tuple, None] = OrderedDict()
+        self._seen: OrderedDict[tuple, str] = OrderedDict()  # shapes not captured: "once" seen, or "failed"
         self._pool = None  # the memory pool every graph of this runner captures into
         self.graph_replays = 0  # forwards that replayed a graph (metrics, tests)
         self.graph_captures = 0
@@ -231,12 +234,19 @@ class CudaRunner(DecoderRunner):
         key = plan.key(caches)
         entry = self._graphs.get(key)
         if entry is None:
-            if key not in self._seen:  # first sighting: eagerly (a shape seen once is not worth a capture)
-                self._seen[key] = None
-                while len(self._seen) > SIGHTINGS_KEPT:
-                    self._seen.popitem(last=False)
+            if self._seen.get(key, "new") != "once":  # first sighting (or a failed capture): eagerly
+                if key not in self._seen:
+                    self._seen[key] = "once"  # a shape seen once is not worth a capture
+                    while len(self._seen) > SIGHTINGS_KEPT:
+                        self._seen.popitem(last=False)
                 return self._static_forward(plan, caches, self._staged(plan), embeds, tables)
-            entry = self._capture(plan, caches, embeds, tables)
+            try:
+                entry = self._capture(plan, caches, embeds, tables)
+            except RuntimeError as error:  # the warm-up wrote this step's keys: the eager run writes the same
+                self._seen[key] = "failed"
+                log.warning("%s: a CUDA graph capture failed, this shape runs eagerly (%s)", self.name,
+                            str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
+                return self._static_forward(plan, caches, self._staged(plan), embeds, tables)
             self._graphs[key] = entry
             while len(self._graphs) > GRAPHS_KEPT:
                 self._graphs.popitem(last=False)

@@ -193,13 +193,16 @@ class Engine:
             kinds, chosen = ["lookup"] * len(seqs), [0] * len(seqs)
         forwards_before = proposer.forwards
         proposals = self._propose(seqs, chosen, kinds)
-        drafts = [proposal.tokens if proposal.tree is not None or proposal.tokens.numel() <= k else proposal.tokens[:k]
-                  for proposal, k in zip(proposals, chosen)]
-        # Structured outputs: a draft ends before its first token the grammar does not take (a model draft's
-        # tokens are drawn under the grammar's mask already; a lookup's may leave it). Trees are not asked for
-        # grammar-constrained sequences (policy.tree_budgets).
-        drafts = [draft[:seq.grammar.valid_prefix(seq.output_ids, draft.tolist())]
-                  if seq.grammar is not None and draft.numel() else draft for seq, draft in zip(seqs, drafts)]
+        if any(chosen):
+            drafts = [proposal.tokens if proposal.tree is not None or proposal.tokens.numel() <= k else
+                      proposal.tokens[:k] for proposal, k in zip(proposals, chosen)]
+            # Structured outputs: a draft ends before its first token the grammar does not take (a model draft's
+            # tokens are drawn under the grammar's mask already; a lookup's may leave it). Trees are not asked for
+            # grammar-constrained sequences (policy.tree_budgets).
+            drafts = [draft[:seq.grammar.valid_prefix(seq.output_ids, draft.tolist())]
+                      if seq.grammar is not None and draft.numel() else draft for seq, draft in zip(seqs, drafts)]
+        else:  # a plain step: every proposal is the same empty one
+            drafts = [proposals[0].tokens] * len(seqs)
         batch = StepBatch.build(drafts, [proposal.probs for proposal in proposals],
                                 [proposal.tree for proposal in proposals])
         ks = batch.num_draft_tokens
@@ -263,8 +266,10 @@ class Engine:
             host += history[start:]
         parts = torch.tensor(host, dtype=torch.long).to(self.device)
         ends = starts[1:] + [len(host)]
-        feeds = [parts[a:b] if not draft.numel() else torch.cat([parts[a:b], draft.to(parts.device)])
-                 for a, b, draft in zip(starts, ends, drafts)]
+        feeds = list(parts.split([b - a for a, b in zip(starts, ends)]))  # views, in one call
+        for i, draft in enumerate(drafts):
+            if draft.numel():
+                feeds[i] = torch.cat([feeds[i], draft.to(parts.device)])
         return caches, feeds, histories
 
     def _observe(self, seqs: list[Sequence], feeds: list[torch.Tensor], ks: list[int], histories: list[int],

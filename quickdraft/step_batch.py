@@ -61,8 +61,9 @@ class StepBatch:
             if q is not None and q.shape[0] != k:
                 raise ValueError(f"StepBatch.build: sequence {i} has {k} drafts but probabilities for {q.shape[0]}")
         cu_drafts = [0, *accumulate(ks)]
+        drafting = [d.reshape(-1).to(torch.long) for d, k in zip(drafts, ks) if k]  # (a plain step has none)
         return StepBatch(
-            draft_token_ids=torch.cat([d.reshape(-1).to(torch.long) for d in drafts]),
+            draft_token_ids=torch.cat(drafting) if drafting else drafts[0].new_empty(0, dtype=torch.long),
             num_draft_tokens=ks,
             cu_num_draft_tokens=cu_drafts,
             cu_num_rows=[c + i for i, c in enumerate(cu_drafts)],  # k_i + 1 rows each

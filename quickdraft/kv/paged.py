@@ -59,7 +59,8 @@ class PagedSequence:
     """One sequence's view of the pool: its block table, the slots in use, and its committed tokens.
 
     `length`: slots [0, length) are in use (committed tokens, then slots written by the last step that are not
-    yet accepted or rejected); the table holds exactly ceil(length / block_size) blocks. `token_ids`: the
+    yet accepted or rejected); the table holds ceil(length / block_size) blocks, and any reserved ahead for the
+    next step (PagedKVPool.reserve). `token_ids`: the
     committed tokens, slot i holding token i (a prefix of the slots in use). `block_hashes`: the prefix keys of
     the full blocks of committed tokens."""
 
@@ -149,8 +150,8 @@ class PagedKVPool:
         if count <= 0:
             return 0
         bs = self.block_size
-        new = -(-(seq.length + count) // bs) - len(seq.blocks)
-        return new + int(seq.length % bs != 0 and self.ref_counts[seq.blocks[-1]] > 1)
+        new = max(0, -(-(seq.length + count) // bs) - len(seq.blocks))  # blocks reserved ahead count as held
+        return new + int(seq.length % bs != 0 and self.ref_counts[seq.blocks[seq.length // bs]] > 1)
 
     def prompt_blocks(self, token_ids: list[int]) -> int:
         """Blocks admitting a new sequence of `token_ids` (match_prefix, then append_slots for the rest) takes
@@ -218,23 +219,32 @@ class PagedKVPool:
         self.hit_tokens += length
         return length
 
+    def reserve(self, seq: PagedSequence, length: int) -> None:
+        """Hold, ahead of writing them, the blocks slots [length of seq, `length`) need (a scheduler reserves a
+        step's room before the step, so that the step's writes cannot fail): the table grows past the slots in
+        use and a shared partial last block is copied now. The reserved blocks are the sequence's until a
+        rollback or free returns them. KVPoolFull, with nothing changed, when the pool cannot supply them."""
+        if length <= seq.length:
+            return
+        need = self.blocks_needed(seq, length - seq.length)
+        if need > self.num_free_blocks:
+            raise KVPoolFull(f"the paged KV pool cannot supply {need} blocks ({self.num_free_blocks} of "
+                             f"{self.total_blocks} free)")
+        if seq.length % self.block_size:
+            self._make_writable(seq, seq.length // self.block_size)
+        while len(seq.blocks) * self.block_size < length:
+            seq.blocks.append(self._allocate())
+
     def append_slots(self, seq: PagedSequence, count: int) -> list[int]:
-        """Take slots [length, length + count) for a step's new rows (growing the table, copying a shared last
-        block on write) and return their pool slot indices (the slot mapping of those rows). KVPoolFull, with
-        nothing changed, when the pool cannot supply blocks_needed(seq, count) blocks."""
+        """Take slots [length, length + count) for a step's new rows (growing the table unless reserved, copying a
+        shared last block on write) and return their pool slot indices (the slot mapping of those rows).
+        KVPoolFull, with nothing changed, when the pool cannot supply blocks_needed(seq, count) blocks."""
         if count < 0:
             raise ValueError(f"append_slots: {count} slots")
         if count == 0:
             return []
-        need = self.blocks_needed(seq, count)
-        if need > self.num_free_blocks:
-            raise KVPoolFull(f"the paged KV pool cannot supply {need} blocks ({self.num_free_blocks} of "
-                             f"{self.total_blocks} free)")
         start = seq.length
-        if start % self.block_size:
-            self._make_writable(seq, len(seq.blocks) - 1)
-        while len(seq.blocks) * self.block_size < start + count:
-            seq.blocks.append(self._allocate())
+        self.reserve(seq, start + count)
         seq.length = start + count
         return self.slots(seq, start, count)
 
@@ -297,9 +307,10 @@ class PagedKVPool:
         """A new sequence holding the same slots, every block shared (a block is copied when either writes to
         it): parallel samples of one prompt."""
         child = PagedSequence()
-        for block in seq.blocks:
+        used = seq.blocks[:-(-seq.length // self.block_size)]  # not the blocks reserved ahead
+        for block in used:
             self._take(block)
-        child.blocks = list(seq.blocks)
+        child.blocks = list(used)
         child.length = seq.length
         child.token_ids = list(seq.token_ids)
         child.block_hashes = list(seq.block_hashes)
@@ -317,7 +328,7 @@ class PagedKVPool:
         index and the tables agree, and every table covers its sequence's slots."""
         counts = [0] * self.num_blocks
         for seq in sequences:
-            if len(seq.blocks) != -(-seq.length // self.block_size) or len(seq.token_ids) > seq.length or \
+            if len(seq.blocks) < -(-seq.length // self.block_size) or len(seq.token_ids) > seq.length or \
                     len(seq.block_hashes) != len(seq.token_ids) // self.block_size or NULL_BLOCK in seq.blocks or \
                     len(set(seq.blocks)) != len(seq.blocks):
                 raise AssertionError(f"audit: inconsistent {seq!r} ({len(seq.block_hashes)} hashes)")

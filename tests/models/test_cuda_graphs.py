@@ -1,6 +1,7 @@
 """The CUDA runner's static-shape forward (models/cuda_runner.py) on the CPU, where it runs eagerly: the rows'
-slots, positions and trees travel as device tensors, rows are padded to buckets and write their padding to a
-scratch slot, attention is SDPA over a bucket of the live prefix under a mask built on the device. Checked against
+block tables, positions and trees travel as one device tensor, sequences and rows are padded to buckets and write
+their padding to the paged pool's null block, attention is SDPA over each sequence's gathered blocks under a mask
+built on the device. Checked against
 the torch reference runner (models/torch_runner.py): the same logits to rounding for prefills, steps, rollbacks,
 trees, batches, hidden states and input embeddings, and the engine's tokens, greedy and seeded. The graphs
 themselves need a GPU: tests/test_cuda.py checks them there."""
@@ -16,7 +17,9 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.models import factory
 from quickdraft.models.base import TreeAttention
 from quickdraft.models.cpu_runner import CpuKernelRunner
-from quickdraft.models.cuda_runner import GRAPH_MAX_ROWS, CudaRunner, CudaSequenceCache, kv_bucket, row_bucket
+from quickdraft.kv.paged import NULL_BLOCK
+from quickdraft.kv.paged_cache import PagedSequenceCache
+from quickdraft.models.cuda_runner import GRAPH_MAX_ROWS, CudaRunner, block_bucket, row_bucket
 from quickdraft.models.torch_runner import TorchRunner
 from quickdraft.models.tree_mask import static_visibility, tree_positions, tree_visibility, visible_keys
 from quickdraft.models.weights import DecoderWeights
@@ -57,27 +60,28 @@ def test_static_forward_equals_the_reference(build):
     assert a.token_ids == b.token_ids and static.forwards == reference.forwards
 
 
-def test_its_caches_start_zeroed_with_a_scratch_slot_that_padded_rows_write():
+def test_its_caches_are_paged_and_padded_rows_write_only_the_null_block():
     _, static = _pair(tiny_llama)
     cache = static.new_cache()
-    assert isinstance(cache, CudaSequenceCache)
-    cache.reserve(16)
-    capacity = cache.capacity
-    assert capacity >= 16 and cache.values.shape[2] == capacity + 1  # the scratch slot past the capacity
-    assert torch.equal(cache.values, torch.zeros_like(cache.values))
-    static.forward(cache, torch.arange(3), 1)  # 3 rows padded to 4: the fourth writes the scratch slot
-    assert row_bucket(3) == 4
-    assert cache.values[:, :, :3].abs().sum() > 0 and cache.values[:, :, capacity].abs().sum() > 0
-    assert cache.values[:, :, 3:capacity].abs().sum() == 0  # nothing else written
+    assert isinstance(cache, PagedSequenceCache) and cache.pool is static.kv_pool
+    pool = static.kv_pool
+    assert torch.equal(pool.kv, torch.zeros_like(pool.kv))
+    static.forward(cache, torch.arange(3), 1)  # 3 rows padded to 4: the fourth writes the null block
+    assert row_bucket(3) == 4 and len(cache.seq.blocks) == 1
+    block = cache.seq.blocks[0]
+    assert pool.kv[:, :, block, :3].abs().sum() > 0 and pool.kv[:, :, block, 3:].abs().sum() == 0
+    assert pool.kv[:, :, NULL_BLOCK].abs().sum() > 0  # the padded row's keys
+    others = [b for b in range(1, pool.num_blocks) if b != block]
+    assert pool.kv[:, :, others].abs().sum() == 0  # nothing else written
     with pytest.raises(QuickdraftError, match="caches its new_cache"):
         static.forward(TorchRunner(static.weights).new_cache(), torch.arange(3), 1)
 
 
 def test_buckets():
     assert [row_bucket(n) for n in (1, 2, 3, 5, 9, 13, 17, 33, 64, 65)] == [1, 2, 4, 8, 12, 16, 24, 48, 64, 65]
-    assert kv_bucket(1, 1024) == kv_bucket(128, 1024) == 128 and kv_bucket(129, 1024) == 256
-    assert kv_bucket(300, 320) == 320  # within the capacity
-    assert kv_bucket(5000, 1 << 20) == 5120  # a quarter of 4096: at most a quarter more keys than live
+    assert block_bucket(1, 64) == block_bucket(8, 64) == 8 and block_bucket(9, 64) == 16
+    assert block_bucket(20, 20) == 20  # within a context's blocks
+    assert block_bucket(300, 1 << 20) == 320  # a quarter of 256: at most a quarter more keys than live
 
 
 @pytest.mark.parametrize("window", [None, 2, 5])
@@ -149,16 +153,16 @@ def test_a_batch_with_trees_equals_the_reference(build, hidden):
 
 def test_a_decode_reuses_a_few_shapes():
     """What a graph is keyed by repeats: 100 decoding steps after a prompt, and K = 4 verifications between
-    them, make a handful of shapes (a cache's growth or a bucket of attended slots starts new ones), so that on
+    them, make a handful of shapes (a wider bucket of blocks starts new ones), so that on
     a GPU nearly every step replays a graph already captured."""
     _, static = _pair(tiny_llama)
     cache = static.new_cache()
     keys = []
     original = static._run
 
-    def noting(plan, caches, embeds):
-        keys.append(plan.key(caches))
-        return original(plan, caches, embeds)
+    def noting(step, embeds):
+        keys.append(step.key())
+        return original(step, embeds)
 
     static._run = noting
     static.forward(cache, torch.arange(20) % 32, 1)

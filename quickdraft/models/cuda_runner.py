@@ -149,26 +149,28 @@ class CudaRunner(DecoderRunner):
         POOL_GPU_FRACTION of the device memory free then (on CUDA), or POOL_CPU_SEQUENCES full contexts up to
         POOL_CPU_MAX_BYTES (elsewhere)."""
         if self._kv_pool is None:
-            per_block = PagedKVPool.blocks_for_budget  # (budget, layers, heads, dim, dtype) -> blocks
-            budget = self.kv_pool_bytes
-            if budget is None and self.device.type == "cuda":
-                budget = int(available_memory(self.device) * POOL_GPU_FRACTION)
-            if budget is None:
-                budget = min(POOL_CPU_MAX_BYTES, POOL_CPU_SEQUENCES * (self.max_len + 16) * self.kv_bytes_per_token)
-            blocks = per_block(budget, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
-            self._kv_pool = PagedKVPool(self.num_layers, self.num_kv_heads, self.head_dim, blocks, dtype=self.dtype,
-                                        device=self.device)
+            self._kv_pool = PagedKVPool(self.num_layers, self.num_kv_heads, self.head_dim, self._pool_blocks(),
+                                        dtype=self.dtype, device=self.device)
         return self._kv_pool
 
     def size_kv_pool(self, budget_bytes: int) -> None:
         """Size the pool to budget_bytes (an LLM's kv_cache_memory); refused once a sequence holds blocks."""
-        pool = self._kv_pool
-        if pool is not None and pool.num_used_blocks:
+        pool, self.kv_pool_bytes = self._kv_pool, int(budget_bytes)
+        if pool is None or pool.num_blocks == self._pool_blocks():
+            return
+        if pool.num_used_blocks:
             raise QuickdraftError(f"{self.name}: the KV pool cannot be resized while sequences hold blocks")
-        if pool is None or budget_bytes != self.kv_pool_bytes:
-            self.kv_pool_bytes, self._kv_pool = int(budget_bytes), None
-            self._graphs.clear()  # they read the old pool
-            self._seen.clear()
+        self._kv_pool = None
+        self._graphs.clear()  # they read the old pool
+        self._seen.clear()
+
+    def _pool_blocks(self) -> int:
+        budget = self.kv_pool_bytes
+        if budget is None and self.device.type == "cuda":
+            budget = int(available_memory(self.device) * POOL_GPU_FRACTION)
+        if budget is None:
+            budget = min(POOL_CPU_MAX_BYTES, POOL_CPU_SEQUENCES * (self.max_len + 16) * self.kv_bytes_per_token)
+        return PagedKVPool.blocks_for_budget(budget, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     def new_cache(self) -> PagedSequenceCache:
         return PagedSequenceCache(self.kv_pool)

@@ -12,7 +12,8 @@ state: Engine.detach), and returns one `SequenceUpdate` per sequence that produc
 `generate` drives, and the one a server drives.
 
 With a KV pool (quickdraft.kv: a memory budget in blocks of 16 positions over the target's and a draft
-model's caches), before each step every running sequence must be able to grow to len(token_ids) + K + 1
+model's caches; or a runner's paged pool, the CUDA runner's, whose blocks sequences' block tables share:
+KVMemory budgets both), before each step every running sequence must be able to grow to len(token_ids) + K + 1
 positions (target and draft caches); when the pool cannot grant it, the most recently admitted running
 sequence is preempted: its caches and blocks are freed and it goes back to the FRONT of the waiting queue as a
 recompute (its Sequence keeps prompt and output; with empty caches its next step reads the whole history as a
@@ -125,7 +126,7 @@ class Scheduler:
         # tokenizer before anything is allocated.
         detokenizers = [Detokenizer(self.tokenizer, params) for _ in range(params.n)]
         self.engine.check_request(prompt_ids, params)
-        if self.pool is not None:  # before the sequences: a refused request draws nothing from the seed stream
+        if self.memory.bounded:  # before the sequences: a refused request draws nothing from the seed stream
             self._check_fits(prompt_ids, params)
         sequences = [self._new_sequence(prompt_ids, params, setup) for setup in self.sequence_setup(params)]
         request = Request(request_id, sequences, detokenizers)
@@ -167,7 +168,7 @@ class Scheduler:
 
     def step(self) -> list[SequenceUpdate]:
         """Admit, run one batched step, detokenize, retire. Returns the updates of this step."""
-        if self.pool is not None:
+        if self.memory.bounded:
             self._grow_running()
         self._admit()
         if not self.running:
@@ -191,7 +192,7 @@ class Scheduler:
                 if request.finished:
                     self.requests.pop(request.request_id, None)
             raise
-        if self.pool is not None:  # what the budget's accounting is checked against (tests, leak runs)
+        if self.memory.bounded:  # what the budget's accounting is checked against (tests, leak runs)
             self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_measured_bytes())
         if self.memory.prefix_caching:
             for request, index in batch:
@@ -240,7 +241,7 @@ class Scheduler:
             if rows > budget and self.running:  # a prompt larger than the budget still runs, alone
                 self.memory.release(seq)  # a waiting sequence holds no memory (its prefix loads again next time)
                 break
-            if self.pool is not None and not self._reserve(seq):
+            if self.memory.bounded and not self._reserve(seq):
                 self.memory.release(seq)  # whatever part it got; it waits, first in line
                 break
             self.waiting.popleft()
@@ -255,18 +256,19 @@ class Scheduler:
 
     # --- the KV budget ------------------------------------------------------------------------------------
     @property
-    def kv_usage(self) -> dict[str, int] | None:
-        """{"used_blocks", "total_blocks", "block_size", "used_bytes", "budget_bytes", "prefix_cached_bytes",
-        "prefix_cached_blocks", "request_bytes", "usage"}; None without a budget. used_* count the blocks kept for
-        prefix caching too; request_bytes and usage (its fraction of the budget, vLLM's kv_cache_usage_perc)
-        count only what requests hold: kept prefix blocks are evictable, so they are free memory."""
-        if self.pool is None:
-            return None
-        prefix = self.memory.prefix_bytes()
-        held = self.pool.used_bytes - prefix
-        return {**self.pool.usage(), "prefix_cached_bytes": prefix,
-                "prefix_cached_blocks": -(-prefix // self.pool.block_bytes), "request_bytes": held,
-                "usage": held / self.pool.budget_bytes}
+    def kv_usage(self) -> dict[str, int | float] | None:
+        """{"used_blocks", "cached_blocks", "free_blocks", "total_blocks", "block_size", "used_bytes",
+        "budget_bytes", "prefix_cached_bytes", "prefix_cached_blocks", "request_bytes", "usage"}: the byte
+        budget's and the paged pools' (KVMemory.usage); None when unbounded. used_* count the blocks kept for
+        prefix caching too where they sit in the byte budget; request_bytes and usage (its fraction of the budget,
+        vLLM's kv_cache_usage_perc) count only what requests hold: kept prefix blocks are evictable, so they are
+        free memory."""
+        return self.memory.usage()
+
+    @property
+    def runner_metrics(self) -> dict[str, int]:
+        """How paged runners ran their forwards (graph replays, eager and unbucketed steps); empty without one."""
+        return self.memory.runner_metrics()
 
     # --- prefix caching -------------------------------------------------------------------------------------
     def _load_prefix(self, seq: Sequence) -> bool:
@@ -329,7 +331,16 @@ class Scheduler:
         grown = params.max_tokens - 1
         histories = self.memory.prompt_lengths(prompt_ids)
         extra = self.engine.max_step_drafts + 1
-        need = self.memory.bytes_for([min(length + grown, self.engine.max_len - 1) + extra for length in histories])
+        lengths = [min(length + grown, self.engine.max_len - 1) + extra for length in histories]
+        short = self.memory.paged_shortfall(lengths)
+        if short is not None:
+            raise QuickdraftError(
+                f"this request cannot fit in the KV cache: prompt ({histories[0]} tokens) + max_tokens "
+                f"({params.max_tokens}) + {extra} positions of speculation need {short}; lower max_tokens, shorten "
+                "the prompt or raise kv_cache_memory")
+        if self.pool is None:
+            return
+        need = self.memory.bytes_for(lengths)
         if need > self.pool.budget_bytes:
             drafted = f", the draft reading it as {histories[1]} of its own tokens" \
                 if len(histories) > 1 and histories[1] != histories[0] else ""
@@ -348,16 +359,16 @@ class Scheduler:
         request, index = self.waiting[0]
         seq = request.sequences[index]
         lengths = self._next_step_lengths(seq)
-        need = self.memory.bytes_for(lengths)
-        held_elsewhere = self.pool.used_bytes - self.memory.prefix_bytes() if self.pool is not None else 0
+        usage = self.memory.usage() or {}
+        held_elsewhere = usage.get("request_bytes", 0)  # the sequence itself holds nothing: it waits
         self.abort_request(request.request_id)
         for other in request.sequences:
             if other.finish_reason in (None, "abort"):
                 other.finish_reason = "error"
-        where = (f"{held_elsewhere} of {self.pool.budget_bytes} bytes of the KV budget are held by requests of "
-                 "another scheduler of this LLM (an unfinished generate or stream)" if held_elsewhere > 0 else
-                 f"the KV budget holds {self.pool.budget_bytes if self.pool is not None else 0} bytes")
+        budget = f"{usage.get('budget_bytes', 0)} bytes ({usage.get('total_blocks', 0)} blocks)"
+        where = (f"{held_elsewhere} of the KV budget's {budget} are held by requests of another scheduler of this "
+                 "LLM (an unfinished generate or stream)" if held_elsewhere > 0 else f"the KV budget holds {budget}")
         raise QuickdraftError(
-            f"request {request.request_id!r} can make no progress: its next step needs {need} bytes of KV cache "
-            f"({', '.join(map(str, lengths))} positions by runner) and {where}; raise kv_cache_memory, lower "
+            f"request {request.request_id!r} can make no progress: its next step needs KV cache for "
+            f"{', '.join(map(str, lengths))} positions by runner and {where}; raise kv_cache_memory, lower "
             "max_tokens or shorten the prompt")

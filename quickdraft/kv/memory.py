@@ -1,11 +1,18 @@
 """The KV memory of one LLM: which caches count, the pool over them, and their prefix caches.
 
 `KVMemory` puts the pieces of quickdraft.kv together for the scheduler (pool.py: the budget; static_cache.py:
-the caches that draw on it; prefix_cache.py: kept prompt blocks). It is told which caches count by
+the caches that draw on it; prefix_cache.py: kept prompt blocks; paged.py and paged_cache.py: a runner whose
+caches are block tables into one paged pool of its own, the CUDA runner's). It is told which caches count by
 `CountedCaches` entries (the engine describes its target and its draft model: Engine.kv_caches), each saying
 where a sequence keeps its cache of that runner and what that cache is keyed by, so the scheduler asks for a
 sequence's reservation, release and prefix loading by the sequence alone. `estimate` says what a budget holds
 before anything runs.
+
+A runner with a paged pool (its `kv_pool`: kv/paged.py) is budgeted in that pool's blocks, not in the byte pool:
+a step's blocks are reserved ahead in the pool (PagedSequenceCache.reserve), release frees them (kept prefix
+blocks stay cached until evicted), and prefix caching shares kept blocks by reference (match_prefix) instead of
+copying them. With a byte budget (kv_cache_memory), the budget is split between the paged pools and the byte
+pool in proportion to their runners' bytes per token, and each paged pool is sized to its share.
 """
 
 from __future__ import annotations
@@ -40,6 +47,11 @@ class CountedCaches:
     def bytes_per_token(self) -> int:
         return runner_bytes_per_token(self.runner)
 
+    @property
+    def paged_pool(self) -> Any:
+        """The runner's paged KV pool (kv/paged.PagedKVPool) where its caches live in one, else None."""
+        return getattr(self.runner, "kv_pool", None)  # only runners with paged caches declare one
+
 
 class KVMemory:
     """The KV memory of one LLM: the caches that count, their bytes per token, the pool (None without a budget)
@@ -51,7 +63,17 @@ class KVMemory:
     def __init__(self, counted: list[CountedCaches], budget_bytes: int | None = None,
                  enable_prefix_caching: bool = False):
         self.counted = list(counted)
-        self._bytes_per_token = [c.bytes_per_token for c in self.counted]
+        paged = [c.paged_pool is not None for c in self.counted]
+        if budget_bytes is not None and any(paged):  # each paged pool sized to its runner's share of the budget
+            total = sum(c.bytes_per_token for c in self.counted)
+            for c, is_paged in zip(self.counted, paged):
+                if is_paged:
+                    c.runner.size_kv_pool(budget_bytes * c.bytes_per_token // total)
+            budget_bytes = budget_bytes * sum(c.bytes_per_token for c, p in zip(self.counted, paged) if not p) // total
+            budget_bytes = budget_bytes or None
+        # Per counted runner: its paged pool, or None (its caches are budgeted by the byte pool, if any).
+        self.paged_pools = [c.paged_pool if is_paged else None for c, is_paged in zip(self.counted, paged)]
+        self._bytes_per_token = [0 if p else c.bytes_per_token for c, p in zip(self.counted, paged)]
         self.pool: KVPool | None = None
         if budget_bytes is not None:
             self.pool = KVPool(sum(self._bytes_per_token), budget_bytes)
@@ -63,14 +85,23 @@ class KVMemory:
         # (None for the others: a draft with another tokenizer holds its own tokens).
         self.prefix_caches: list[PrefixCache | None] = [
             PrefixCache(c.runner, self.pool, None if self.pool else DEFAULT_PREFIX_CACHE_TOKENS // BLOCK_SIZE)
-            if enable_prefix_caching and c.shares_prefixes and PrefixCache.copies(c.runner) else None
-            for c in self.counted]
+            if enable_prefix_caching and c.shares_prefixes and not p and PrefixCache.copies(c.runner) else None
+            for c, p in zip(self.counted, paged)]
+        # Paged caches share kept prefix blocks by reference (PagedSequenceCache.load_prefix / store_prefix).
+        self.shares_paged_prefixes = [enable_prefix_caching and c.shares_prefixes and p
+                                      for c, p in zip(self.counted, paged)]
         if self.pool is not None:
             self.pool.reclaim = self._reclaim
 
     @property
     def runners(self) -> list[Any]:
         return [c.runner for c in self.counted]
+
+    @property
+    def bounded(self) -> bool:
+        """Whether a sequence's next step must be reserved before it runs: a byte budget, or a paged pool (which
+        is always finite)."""
+        return self.pool is not None or any(p is not None for p in self.paged_pools)
 
     # --- a sequence's caches --------------------------------------------------------------------------------
     def next_step_lengths(self, seq: Any, extra: int) -> list[int]:
@@ -81,25 +112,39 @@ class KVMemory:
     def reserve(self, seq: Any, extra: int) -> bool:
         """Make every counted cache of `seq` able to hold its next step (next_step_lengths), within the budget;
         False where the pool cannot grant it."""
-        for c, bytes_per_token in zip(self.counted, self._bytes_per_token):
+        for c, bytes_per_token, paged in zip(self.counted, self._bytes_per_token, self.paged_pools):
             cache = c.cache_of(seq)
-            if cache is not None and not self.pool.ensure(cache, len(c.history_of(seq)) + extra, bytes_per_token,
-                                                          c.runner.max_len):
+            if cache is None:
+                continue
+            length = len(c.history_of(seq)) + extra
+            if paged is not None:
+                try:
+                    cache.reserve(min(length, c.runner.max_len))
+                except KVPoolFull:
+                    return False
+            elif self.pool is not None and not self.pool.ensure(cache, length, bytes_per_token, c.runner.max_len):
                 return False
         return True
 
     def release(self, seq: Any) -> None:
-        """Give the pool back the blocks of seq's counted caches (their contents go)."""
-        if self.pool is None:
-            return
-        for c in self.counted:
+        """Give the pools back the blocks of seq's counted caches (their contents go)."""
+        for c, paged in zip(self.counted, self.paged_pools):
             cache = c.cache_of(seq)
-            if cache is not None:
+            if cache is None:
+                continue
+            if paged is not None:
+                cache.release()
+            elif self.pool is not None:
                 self.pool.release_cache(cache)
 
     def load_prefix(self, seq: Any) -> bool:
         """Before a sequence first runs (or reruns after preemption): copy the kept blocks of its longest known
-        prefix into its empty caches. False when the pool could not hold them (the sequence waits)."""
+        prefix into its empty caches (point a paged cache's table at them). False when the pool could not hold
+        them (the sequence waits)."""
+        for c, shares in zip(self.counted, self.shares_paged_prefixes):
+            cache = c.cache_of(seq) if shares else None
+            if cache is not None and not len(cache):
+                cache.load_prefix(c.history_of(seq))  # takes no free block: kept blocks by reference
         for c, prefix in zip(self.counted, self.prefix_caches):
             cache = c.cache_of(seq) if prefix is not None else None
             if cache is None or len(cache):
@@ -114,6 +159,10 @@ class KVMemory:
 
     def store_prefix(self, seq: Any) -> None:
         """Keep the full blocks of seq's caches that prefix caching does not hold yet."""
+        for c, shares in zip(self.counted, self.shares_paged_prefixes):
+            cache = c.cache_of(seq) if shares else None
+            if cache is not None:
+                cache.store_prefix()
         for c, prefix in zip(self.counted, self.prefix_caches):
             if prefix is not None:
                 cache = c.cache_of(seq)
@@ -132,10 +181,60 @@ class KVMemory:
         return sum(round_up(min(length, c.runner.max_len)) * bytes_per_token
                    for length, c, bytes_per_token in zip(lengths, self.counted, self._bytes_per_token))
 
+    def paged_shortfall(self, lengths: list[int]) -> str | None:
+        """Where caches of these lengths (one per counted cache, each capped by its runner's context) would not
+        fit their paged pool even alone: what they need and what it holds; None where they fit."""
+        for length, c, pool in zip(lengths, self.counted, self.paged_pools):
+            if pool is not None:
+                need = -(-min(length, c.runner.max_len) // pool.block_size)
+                if need > pool.total_blocks:
+                    return (f"{need} blocks of {pool.block_size} positions of {c.runner.name}'s paged KV pool, which "
+                            f"holds {pool.total_blocks}")
+        return None
+
+    def usage(self) -> dict[str, int | float] | None:
+        """The budget's figures (KVPool.usage and the paged pools' PagedKVPool.usage, summed: used, cached,
+        free and total blocks, bytes), with what requests hold (request_bytes; usage: its fraction of the
+        budget, vLLM's kv_cache_usage_perc; kept prefix blocks are evictable, so free); None when unbounded."""
+        if not self.bounded:
+            return None
+        out: dict[str, int | float] = {"used_blocks": 0, "cached_blocks": 0, "free_blocks": 0, "total_blocks": 0,
+                                       "block_size": BLOCK_SIZE, "used_bytes": 0, "budget_bytes": 0,
+                                       "prefix_cached_bytes": 0}
+        parts = [] if self.pool is None else [self.pool.usage()]
+        prefix = 0  # the byte pool's kept prefix blocks: in its used bytes (a paged pool's cached blocks are not)
+        if self.pool is not None:
+            prefix = self.prefix_bytes()
+            parts[0].update(cached_blocks=-(-prefix // self.pool.block_bytes), prefix_cached_bytes=prefix,
+                            free_blocks=self.pool.total_blocks - self.pool.used_blocks)
+        for pool in self.paged_pools:
+            if pool is not None:
+                figures = pool.usage()
+                parts.append({**figures, "prefix_cached_bytes": figures["cached_blocks"] * pool.bytes_per_block})
+        for part in parts:
+            for key in out:
+                if key != "block_size":
+                    out[key] += part[key]
+        out["prefix_cached_blocks"] = out["cached_blocks"]
+        out["request_bytes"] = held = out["used_bytes"] - prefix
+        out["usage"] = held / out["budget_bytes"] if out["budget_bytes"] else 0.0
+        return out
+
+    def runner_metrics(self) -> dict[str, int]:
+        """How the counted runners with paged pools ran (CudaRunner.kv_pool_metrics: graph replays, eager and
+        unbucketed steps), summed; empty without one."""
+        out: dict[str, int] = {}
+        for c, pool in zip(self.counted, self.paged_pools):
+            if pool is not None:
+                for key, value in c.runner.kv_pool_metrics().items():
+                    if key.endswith("_steps") or key.startswith("graph_"):
+                        out[key] = out.get(key, 0) + value
+        return out
+
     # --- prefix caching ---------------------------------------------------------------------------------------
     @property
     def prefix_caching(self) -> bool:
-        return any(p is not None for p in self.prefix_caches)
+        return any(p is not None for p in self.prefix_caches) or any(self.shares_paged_prefixes)
 
     def _reclaim(self, nbytes: int) -> int:
         freed = 0

@@ -194,23 +194,27 @@ class KVMemory:
 
     def usage(self) -> dict[str, int | float] | None:
         """The budget's figures (KVPool.usage and the paged pools' PagedKVPool.usage, summed: used, cached,
-        free and total blocks, bytes), with what requests hold (request_bytes; usage: its fraction of the
-        budget, vLLM's kv_cache_usage_perc; kept prefix blocks are evictable, so free); None when unbounded."""
+        free and total blocks, bytes), with what requests hold (request_blocks, request_bytes; usage: its
+        fraction of the budget, vLLM's kv_cache_usage_perc; kept prefix blocks are evictable, so free, and
+        free_blocks counts them); None when unbounded. used_blocks counts the byte pool's kept prefix blocks
+        too, not a paged pool's cached ones."""
         if not self.bounded:
             return None
         out: dict[str, int | float] = {"used_blocks": 0, "cached_blocks": 0, "free_blocks": 0, "total_blocks": 0,
                                        "block_size": BLOCK_SIZE, "used_bytes": 0, "budget_bytes": 0,
-                                       "prefix_cached_bytes": 0}
+                                       "prefix_cached_bytes": 0, "request_blocks": 0}
         parts = [] if self.pool is None else [self.pool.usage()]
         prefix = 0  # the byte pool's kept prefix blocks: in its used bytes (a paged pool's cached blocks are not)
         if self.pool is not None:
             prefix = self.prefix_bytes()
-            parts[0].update(cached_blocks=-(-prefix // self.pool.block_bytes), prefix_cached_bytes=prefix,
-                            free_blocks=self.pool.total_blocks - self.pool.used_blocks)
+            cached = -(-prefix // self.pool.block_bytes)
+            parts[0].update(cached_blocks=cached, prefix_cached_bytes=prefix, request_blocks=self.pool.used_blocks
+                            - cached, free_blocks=self.pool.total_blocks - self.pool.used_blocks + cached)
         for pool in self.paged_pools:
             if pool is not None:
                 figures = pool.usage()
-                parts.append({**figures, "prefix_cached_bytes": figures["cached_blocks"] * pool.bytes_per_block})
+                parts.append({**figures, "prefix_cached_bytes": figures["cached_blocks"] * pool.bytes_per_block,
+                              "request_blocks": figures["used_blocks"]})
         for part in parts:
             for key in out:
                 if key != "block_size":

@@ -49,6 +49,7 @@ class EngineStats:
     num_waiting: int = 0
     kv_usage: dict[str, int] | None = None  # the scheduler's, with a KV budget; else None
     num_preemptions: int = 0
+    runner_metrics: dict[str, int] | None = None  # a paged runner's forwards: graph replays, eager steps
 
 
 @dataclass
@@ -339,7 +340,7 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         scheduler = self.scheduler
         self.stats = EngineStats(scheduler.num_running, scheduler.num_waiting, scheduler.kv_usage,
-                                 scheduler.num_preemptions)
+                                 scheduler.num_preemptions, scheduler.runner_metrics)
         if self.observer is not None:
             self.observer.on_iteration(self.stats)
 

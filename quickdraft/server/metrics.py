@@ -5,7 +5,12 @@ scheduler's metrics: spec-decode counts and generation tokens are added when a c
 what it output (a draft cut by a stop string is not counted); request_success counts completions by finish
 reason (stop, length, abort, error). The gauges are the scheduler's state after each engine iteration;
 kv_cache_usage_perc is the fraction of the KV budget that requests hold (0 without a budget); blocks kept
-only for prefix caching are evictable and count as free, as in vLLM.
+only for prefix caching are evictable and count as free, as in vLLM. With a budget (a byte budget, or the CUDA
+runner's paged pool, which always has one) quickdraft:kv_blocks{state} gives its blocks: total, used (held by
+requests), cached (kept for their prefix, evictable) and free (free or cached: what an allocation can take); a
+paged runner's forwards are counted by how they ran: quickdraft:graph_replays (a captured CUDA graph replayed),
+quickdraft:eager_steps (run eagerly: a shape's first sighting, no graphs, or no bucket) and, of those,
+quickdraft:unbucketed_steps (a step that fits no bucket of sequences or rows: a long prompt, over 64 sequences).
 """
 
 from __future__ import annotations
@@ -54,6 +59,14 @@ class ServerMetrics:
         self.waiting = gauge("vllm:num_requests_waiting", "Sequences waiting to be admitted.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of the KV cache budget held by requests; "
                                                           "prefix-cached blocks are free (0 without a budget).")
+        self.kv_blocks = Gauge("quickdraft:kv_blocks", "Blocks of the KV budget by state: total, used (held by "
+                               "requests), cached (kept for their prefix, evictable), free (free or cached).",
+                               labels + ["state"], registry=self.registry)
+        self.runner_steps = {key: counter(f"quickdraft:{key}", doc) for key, doc in (
+            ("graph_replays", "Forwards of a paged runner that replayed a captured CUDA graph."),
+            ("eager_steps", "Forwards of a paged runner run eagerly (a shape's first sighting, no graphs, no bucket)."),
+            ("unbucketed_steps", "Forwards of a paged runner that fit no bucket of sequences or rows (eager)."))}
+        self._runner_seen: dict[str, int] = {}
         self.preemptions = counter("vllm:num_preemptions", "Sequences preempted for KV memory (recomputed later).")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated (output).")
@@ -73,6 +86,15 @@ class ServerMetrics:
         self.waiting.labels(name).set(stats.num_waiting)
         usage = stats.kv_usage
         self.kv_usage.labels(name).set(usage["usage"] if usage else 0.0)
+        if usage:
+            for state, key in (("total", "total_blocks"), ("used", "request_blocks"), ("cached", "cached_blocks"),
+                               ("free", "free_blocks")):
+                self.kv_blocks.labels(name, state).set(usage.get(key, 0))
+        for key, value in (stats.runner_metrics or {}).items():
+            seen = self._runner_seen.get(key, 0)
+            if key in self.runner_steps and value > seen:
+                self.runner_steps[key].labels(name).inc(value - seen)
+                self._runner_seen[key] = value
         if stats.num_preemptions > self._preemptions_seen:
             self.preemptions.labels(name).inc(stats.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = stats.num_preemptions

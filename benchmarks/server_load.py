@@ -17,7 +17,9 @@ model's chat template (--endpoint completions: the raw text). Greedy throughout.
    by the client after 1-3 chunks with text. Checked (printed, in the JSON, exit status 1 when one fails): no
    error response or error event; every other request ends with [DONE] and the reference text; afterwards
    the server holds nothing (num_requests_running and _waiting 0; kv_cache_usage_perc is printed: with
-   --kv-cache-memory it counts blocks kept for prefix caching too); and /metrics, as differences over the
+   --kv-cache-memory it counts blocks kept for prefix caching too; where the server reports its KV blocks, a
+   budget's or the CUDA runner's paged pool's, quickdraft:kv_blocks must show none used and all free, and the
+   paged runner's graph replays and eager steps over the phase are printed); and /metrics, as differences over the
    phase: accepted <= draft tokens; prompt_tokens = the prompts' tokens (/tokenize); request_success counts
    every request once, with stop/length = the completed ones + the cancelled ones that finished before their
    abort reached the engine, and abort = the other cancelled ones; generation_tokens = the completed ones'
@@ -377,6 +379,11 @@ def load_checks(args, streams: list[Stream], refs: list[dict | None], prompt_cou
             cancelled_chunks <= cancelled_generated <= len(cancelled) * args.max_tokens,
         "e2e latency histogram counts every request": d("vllm:e2e_request_latency_seconds_count") == len(streams),
     }
+    blocks = {state: after[f"quickdraft:kv_blocks{{state={state}}}"] for state in ("total", "used", "cached", "free")
+              if f"quickdraft:kv_blocks{{state={state}}}" in after}  # with a KV budget or a paged pool
+    if blocks:
+        checks["the KV blocks are all free afterwards (quickdraft:kv_blocks used 0, free = total)"] = \
+            blocks.get("used") == 0 and blocks.get("free") == blocks.get("total")
     return {
         "requests": len(streams), "completed": len(completed), "cancelled": len(cancelled),
         "cancelled_finished_before_abort": late, "errors": errors[:10], "unfinished": unfinished,
@@ -385,7 +392,9 @@ def load_checks(args, streams: list[Stream], refs: list[dict | None], prompt_cou
         "cancelled_generated_tokens": cancelled_generated, "cancelled_chunks_received": cancelled_chunks,
         "request_success": success, "draft_tokens": drafted, "accepted_tokens": accepted,
         "prompt_tokens_metric": d("vllm:prompt_tokens_total"), "prompt_tokens_tokenized": sum(prompt_counts),
-        "kv_cache_usage_perc_after": after.get("vllm:kv_cache_usage_perc", 0.0),
+        "kv_cache_usage_perc_after": after.get("vllm:kv_cache_usage_perc", 0.0), "kv_blocks_after": blocks,
+        "runner_steps": {key: d(f"quickdraft:{key}_total") for key in ("graph_replays", "eager_steps",
+                                                                       "unbucketed_steps")},
         "preemptions": d("vllm:num_preemptions_total"),
         "wall_s": max(s.ended for s in streams) - min(s.sent for s in streams),
         "checks": checks, "passed": all(checks.values()),
@@ -468,6 +477,11 @@ def print_load(console, draft: str, result: dict) -> None:
                   f"cancelled; accepted/draft {result['accepted_tokens']:.0f}/{result['draft_tokens']:.0f}; "
                   f"kv_cache_usage_perc after {result['kv_cache_usage_perc_after']:.3f}; "
                   f"preemptions {result['preemptions']:.0f}")
+    if result["kv_blocks_after"]:
+        console.print("  KV blocks after: " + ", ".join(f"{state} {value:.0f}"
+                                                        for state, value in result["kv_blocks_after"].items()))
+    if any(result["runner_steps"].values()):
+        console.print("  forwards: " + ", ".join(f"{key} {value:.0f}" for key, value in result["runner_steps"].items()))
     for name, passed in result["checks"].items():
         console.print(f"  {'[green]PASS[/]' if passed else '[red]FAIL[/]'} {name}")
     for line in result["errors"]:

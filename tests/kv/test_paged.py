@@ -536,3 +536,30 @@ def test_the_random_runs_copy_on_write_evict_and_refuse():
         copies, evictions, refused = copies + pool.copies_on_write, evictions + pool.evictions, \
             refused + counts["refused"]
     assert copies and evictions and refused, (copies, evictions, refused)
+
+
+def test_reserve_holds_a_steps_blocks_ahead_and_rollback_returns_them():
+    pool = _pool(num_blocks=6)  # 5 blocks of 4
+    seq = pool.new_sequence()
+    _prefill(pool, seq, [1, 2, 3, 4, 5, 6])  # 2 blocks
+    pool.reserve(seq, 6 + 5)  # 11 slots: a third block, ahead of writing
+    assert len(seq.blocks) == 3 and seq.length == 6 and pool.num_free_blocks == 2
+    pool.audit([seq])
+    free = pool.num_free_blocks
+    pool.append_slots(seq, 5)  # within the reservation: nothing taken
+    _write(pool, seq, 6, [7, 8, 9, 10, 11])
+    assert pool.num_free_blocks == free and len(seq.blocks) == 3
+    pool.rollback(seq, 7)  # rejected drafts: the reserved block past them goes back
+    assert len(seq.blocks) == 2 and pool.num_free_blocks == 3
+    other = pool.new_sequence()
+    with pytest.raises(KVPoolFull):
+        pool.reserve(other, 4 * 4)  # 4 blocks of 3 free
+    assert other.blocks == [] and pool.num_free_blocks == 3
+    child = pool.fork(seq)  # the partial last block is shared now: reserving copies it at once
+    pool.reserve(child, 8)
+    assert child.blocks[1] != seq.blocks[1] and child.blocks[0] == seq.blocks[0] and pool.copies_on_write == 1
+    assert _read(pool, child) == _read(pool, seq)
+    pool.audit([seq, child])
+    pool.free(child)
+    pool.free(seq)
+    pool.audit([])

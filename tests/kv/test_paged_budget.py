@@ -48,6 +48,9 @@ def _check(scheduler, pool):
     """The pool's accounting holds for exactly the running sequences' tables; waiting ones hold nothing."""
     running = _live(scheduler)
     pool.audit([seq.target_cache.seq for seq in running])
+    for seq in running:  # a step's reservation past what it kept went back with its rollback
+        table = seq.target_cache.seq
+        assert len(table.blocks) == -(-table.length // pool.block_size) and table.length == len(seq.target_cache)
     assert pool.num_used_blocks == len({b for seq in running for b in seq.target_cache.seq.blocks})
     usage = scheduler.kv_usage
     assert usage["used_blocks"] == pool.num_used_blocks and usage["total_blocks"] == pool.total_blocks

@@ -297,6 +297,8 @@ class PagedKVPool:
             copies = sum(self.ref_counts[seq.blocks[i]] > 1 for i in targets)
             if copies > self.num_free_blocks:
                 raise KVPoolFull(f"compact: {copies} shared blocks to copy, {self.num_free_blocks} free")
+            del seq.token_ids[first:]  # slots from `first` on change: no longer committed
+            del seq.block_hashes[first // bs:]
             src_slots = [seq.blocks[s // bs] * bs + s % bs for s, _ in moves]  # before any copy on write
             for index in targets:
                 self._make_writable(seq, index)

@@ -198,6 +198,15 @@ def main() -> None:
     forward = report["rows_forward_ms"] = rows_forward(runner, args.rows_batch, args.prompt, args.rounds)
     print(f"\none forward of {args.rows_batch} sequences after {args.prompt} cached: x 1 row {forward[1]:.3f} ms, "
           f"x 5 rows {forward[5]:.3f} ms ({forward[5] / forward[1]:.2f}x)")
+    try:  # the same with FlexAttention over the pool in place (compiled on CUDA), for comparison
+        runner.attention = "flex"
+        flex = report["rows_forward_ms_flex"] = rows_forward(runner, args.rows_batch, args.prompt, args.rounds)
+        print(f"  FlexAttention instead: x 1 row {flex[1]:.3f} ms, x 5 rows {flex[5]:.3f} ms")
+    except Exception as error:  # noqa: BLE001 - a measurement that fails is reported, the run goes on
+        report["rows_forward_flex_error"] = repr(error)[:300]
+        print(f"  FlexAttention failed: {repr(error)[:300]}")
+    finally:
+        runner.attention = "sdpa"
 
     system = [rng.randrange(vocab) for _ in range(args.system)]
     sharing = report["prefix_sharing"] = {}

@@ -11,7 +11,8 @@ shape that depends on where its rows sit, and nothing in it depends on which seq
   copy a step, no device-to-host read;
 - the linear layers run on the step's rows (flat: sequence 0's rows, then 1's, .., then padding rows); rope reads
   the rows' positions, keys and values are written by a slot mapping (write_kv), and attention is one SDPA call a
-  layer over the blocks gathered by the tables (paged_attention) for chains, token trees and plain rows alike;
+  layer over the blocks gathered by the tables (paged_attention) for chains, token trees and plain rows alike
+  (or, with attention = "flex", FlexAttention over the pool in place under a paged block mask);
 - a step is padded to buckets: sequences to BATCH_BUCKETS (padding sequences have null block tables and no rows),
   a sequence's rows to ROW_BUCKETS, the step's rows and logits to TOTAL_BUCKETS, the tables to a bucket of blocks
   (block_bucket), a tree's slots to ROW_BUCKETS. Padded rows write the pool's null block, which no row attends.
@@ -39,7 +40,8 @@ from quickdraft.kv.paged import PagedKVPool
 from quickdraft.kv.paged_cache import PagedSequenceCache
 from quickdraft.kv.pool import KVPoolFull, available_memory
 from quickdraft.models.decoder import DecoderRunner
-from quickdraft.models.paged_attention import PagedStep, paged_attention, write_kv
+from quickdraft.models.paged_attention import (PagedStep, compiled_flex_attention, flex_paged_attention,
+                                               paged_attention, write_kv)
 from quickdraft.models.weights import DecoderWeights, Layer
 
 log = logging.getLogger(__name__)
@@ -132,6 +134,9 @@ class CudaRunner(DecoderRunner):
         # On CUDA each shape is captured at its second sighting; False runs every forward eagerly (the same
         # kernels, so the same results: what tests compare the graphs with).
         self.capture_graphs = self.device.type == "cuda"
+        # "sdpa": SDPA over each sequence's gathered blocks (the default); "flex": FlexAttention over the pool in
+        # place under a paged block mask (compiled on CUDA, eager elsewhere: a dense reference, slow).
+        self.attention = "sdpa"
         self.kv_pool_bytes: int | None = None  # the pool's size; None: the default (kv_pool)
         self._kv_pool: PagedKVPool | None = None
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
@@ -395,10 +400,18 @@ class CudaRunner(DecoderRunner):
                 if positions is None:
                     positions = torch.zeros(total, dtype=torch.long, device=self.device)
                 positions.index_copy_(0, index, rows_positions)
-            masks = {window: paged.mask(window, group_size) for window in windows}
+            if self.attention == "flex":
+                masks = {window: paged.block_mask(pool.num_blocks, window) for window in windows}
+            else:
+                masks = {window: paged.mask(window, group_size) for window in windows}
             layouts.append((paged, cells, slots, masks, index))
         ropes = {kind: (cos.index_select(0, positions), sin.index_select(0, positions))
                  for kind, (cos, sin) in tables.items()}
+        flex = None
+        if self.attention == "flex":
+            from torch.nn.attention.flex_attention import flex_attention
+
+            flex = compiled_flex_attention() if self.device.type == "cuda" else flex_attention
 
         def attend(index: int, layer: Layer, qkv: torch.Tensor) -> torch.Tensor:
             q, k, v = self._roped(qkv, layer, *ropes[layer.rope])
@@ -407,8 +420,12 @@ class CudaRunner(DecoderRunner):
             for paged, cells, slots, masks, rows in layouts:
                 q_g, k_g, v_g = (q, k, v) if rows is None else (q[rows], k[rows], v[rows])
                 write_kv(key_cache, value_cache, k_g, v_g, slots)
-                o = paged_attention(paged.to_grid(q_g, cells), key_cache, value_cache, paged.block_tables,
-                                    masks[layer.sliding_window], w.scale)
+                mask = masks[layer.sliding_window]
+                if flex is not None:
+                    o = flex_paged_attention(paged.to_grid(q_g, cells), key_cache, value_cache, mask, w.scale, flex)
+                else:
+                    o = paged_attention(paged.to_grid(q_g, cells), key_cache, value_cache, paged.block_tables, mask,
+                                        w.scale)
                 o = paged.from_grid(o, cells)
                 if out is None:
                     out = o

@@ -157,3 +157,25 @@ def test_a_prompt_prefix_is_shared_by_reference_and_computes_the_same_logits():
     _close(got, want)
     assert pool.num_used_blocks == used + 1  # its own last block
     pool.audit([first.seq, second.seq])
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-sliding"])
+def test_flex_attention_over_the_pool_equals_sdpa_over_gathered_blocks(build):
+    """attention = "flex" (FlexAttention in place under the paged block mask; eager on the CPU) computes what the
+    default SDPA over gathered blocks does, on steps mixing prompts, chains, a tree and plain rows."""
+    sdpa, flex = _runner(build), _runner(build)
+    flex.attention = "flex"
+    generator = torch.Generator().manual_seed(4)
+    caches = {runner: [runner.new_cache() for _ in range(3)] for runner in (sdpa, flex)}
+    for feeds in ([(0, 9, 1, None), (1, 20, 2, None), (2, 3, 3, None)],
+                  [(0, 5, 5, [-1, 0, 0, 1, 2]), (1, 1, 1, None), (2, 5, 5, None)]):
+        tokens = [torch.randint(0, 32, (n,), generator=generator) for _, n, _, _ in feeds]
+        got = []
+        for runner in (sdpa, flex):
+            own = caches[runner]
+            trees = [None if parents is None else TreeAttention.of_tree(len(own[i]), parents)
+                     for i, _, _, parents in feeds]
+            got.append(runner.forward_batch([own[i] for i, _, _, _ in feeds], tokens, [k for _, _, k, _ in feeds],
+                                            trees=trees))
+        _close(got[1], got[0])

@@ -1,13 +1,13 @@
 """quickdraft on a CUDA device: the engine's promises where the forwards, caches, sampling and verification all
-run on the GPU, on the CUDA runner (models/cuda_runner.py: static shapes, every forward of 64 rows or fewer a
-CUDA graph, by default). Greedy speculation gives plain decoding's tokens for every draft method, chains and
-trees, alone and batched; sampled speculation follows the target's exact law; a request's seed gives the same
-text with speculation on or off; a GGUF file's blocks load onto the GPU; the graphs' tokens are the same runner's
-eager ones.
+run on the GPU, on the CUDA runner (models/cuda_runner.py: every sequence's keys and values in one paged KV pool,
+every step of a bucketed shape a CUDA graph, by default). Greedy speculation gives plain decoding's tokens for
+every draft method, chains and trees, alone and batched; sampled speculation follows the target's exact law; a
+request's seed gives the same text with speculation on or off; a GGUF file's blocks load onto the GPU; the graphs'
+tokens are the same runner's eager ones.
 
 Skipped where torch sees no GPU (CI never has one): `benchmarks/gpu_check.sh` runs it on a lent one.
 QUICKDRAFT_TEST_DEVICE=cpu runs the same tests on the CPU, every native runner a CUDA runner there too (its
-static path, eagerly), to check the tests and that path."""
+paged path, eagerly), to check the tests and that path."""
 
 from __future__ import annotations
 

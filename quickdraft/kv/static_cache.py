@@ -70,8 +70,8 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
         self._resize(want)
 
     def _allocate(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values for `capacity` positions in the runner's layout, uninitialised (a runner's own cache
-        class may allocate otherwise: models/cuda_runner.py's starts zeroed, with a slot to spare)."""
+        """Keys and values for `capacity` positions in the runner's layout, uninitialised (a subclass may allocate
+        otherwise)."""
         r = self._runner
         shape = (r.num_layers, r.num_kv_heads, capacity, r.head_dim)
         values = torch.empty(shape, dtype=r.dtype, device=r.device)

@@ -1,7 +1,6 @@
 """Attention masks for the torch forwards: which cache slots each new row sees, causal or as a token tree, a
 sliding window applied by position. models/hf.py and models/torch_runner.py build them on the host from a
-TreeAttention; models/cuda_runner.py builds them on the device from tensors of slots, positions and parents
-(static_visibility), so that no shape depends on where the rows sit and a CUDA graph can replay it.
+TreeAttention (models/cuda_runner.py builds its masks on the device, over a paged pool: models/paged_attention.py).
 
 A row of a tree node sees the causal prefix, its ancestors and itself, and its position is base + depth - 1
 (models.base.TreeAttention), so the slots it sees hold, in slot order, positions 0, 1, .., its own: exactly
@@ -62,46 +61,4 @@ def tree_visibility(tree: TreeAttention, start: int, window: int | None = None) 
     if window is not None:
         positions = tree_positions(tree)
         allowed &= positions[None, :] > positions[start:, None] - window
-    return allowed
-
-
-def ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """[T, T] bool, on parents' device: whether tree slot j is slot i or one of its ancestors, from parents [T]
-    (each slot's parent slot among 0..T-1, or -1 for a child of the root; slots beyond the tree -1 too). The
-    transitive closure by ceil(log2 T) squarings: a fixed number of device ops whatever the tree's shape."""
-    size = parents.shape[0]
-    slots = torch.arange(size, device=parents.device)
-    closure = (parents[:, None] == slots[None, :]) | (slots[:, None] == slots[None, :])
-    for _ in range(max(0, (size - 1).bit_length())):
-        reach = closure.float()
-        closure = closure | ((reach @ reach) > 0)
-    return closure
-
-
-def static_visibility(slots: torch.Tensor, positions: torch.Tensor, keys: int, window: int | None,
-                      tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """[n, keys] bool, built on the device from device tensors: whether the row written at slot slots[r] (at rope
-    position positions[r]) sees key slot j < keys. A row sees the slots up to its own (a row whose slot is past
-    `keys`, a padded row, sees them all); with tree = (parents [T], base [1]) the tree's slots base..base+T-1
-    (parents relative to base, -1 for a child of the root) are seen by a tree row only when they are the row's
-    ancestors or itself, and sit at positions base + depth - 1. A window keeps the keys whose positions are above
-    the row's minus `window`. The same visibility as tree_visibility / visible_keys, with no host value read."""
-    j = torch.arange(keys, device=slots.device)
-    allowed = j[None, :] <= slots[:, None]
-    key_positions = j
-    if tree is not None:
-        parents, base = tree
-        size = parents.shape[0]
-        closure = ancestors(parents)
-        depth = closure.sum(1)  # 1 for a child of the root
-        column = j - base  # [keys]: the key's tree slot, where in the tree
-        in_tree = (column >= 0) & (column < size)
-        column = column.clamp(0, size - 1)
-        row = slots - base  # [n]
-        tree_row = (row >= 0) & (row < size)
-        seen = closure[row.clamp(0, size - 1)][:, column]  # [n, keys]
-        allowed &= ~(tree_row[:, None] & in_tree[None, :]) | seen
-        key_positions = torch.where(in_tree, base + depth[column] - 1, j)
-    if window is not None:
-        allowed &= key_positions[None, :] > positions[:, None] - window
     return allowed

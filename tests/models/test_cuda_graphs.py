@@ -21,7 +21,6 @@ from quickdraft.kv.paged import NULL_BLOCK
 from quickdraft.kv.paged_cache import PagedSequenceCache
 from quickdraft.models.cuda_runner import GRAPH_MAX_ROWS, CudaRunner, block_bucket, row_bucket
 from quickdraft.models.torch_runner import TorchRunner
-from quickdraft.models.tree_mask import static_visibility, tree_positions, tree_visibility, visible_keys
 from quickdraft.models.weights import DecoderWeights
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.one_thread
@@ -82,31 +81,6 @@ def test_buckets():
     assert block_bucket(1, 64) == block_bucket(8, 64) == 8 and block_bucket(9, 64) == 16
     assert block_bucket(20, 20) == 20  # within a context's blocks
     assert block_bucket(300, 1 << 20) == 320  # a quarter of 256: at most a quarter more keys than live
-
-
-@pytest.mark.parametrize("window", [None, 2, 5])
-@pytest.mark.parametrize("start", [7, 9])
-def test_device_built_tree_masks_equal_the_hosts(window, start):
-    """static_visibility from tensors of slots, positions and parents (padded: a bucket of tree slots and padded
-    rows at a slot past the keys) sees what tree_visibility sees for the real rows."""
-    generator = torch.Generator().manual_seed(start)
-    for size in (1, 5, 13):
-        parents = [int(torch.randint(-1, i, (1,), generator=generator)) for i in range(size)]
-        tree = TreeAttention.of_tree(7, parents)  # tree slots 7..; rows from `start` (9: two grown earlier)
-        if start >= tree.end:
-            continue
-        rows, keys = tree.end - start, 32
-        expected = tree_visibility(tree, start, window)  # [rows, end]
-        bucket, padded_rows = row_bucket(size), row_bucket(rows)
-        slots = torch.tensor(list(range(start, tree.end)) + [keys] * (padded_rows - rows))
-        positions = torch.tensor(tree.positions(start, rows) + [0] * (padded_rows - rows))
-        relative = torch.tensor([p - 7 if p >= 7 else -1 for p in tree.parents] + [-1] * (bucket - size))
-        got = static_visibility(slots, positions, keys, window, (relative, torch.tensor([7])))
-        assert torch.equal(got[:rows, :tree.end], expected) and not got[:rows, tree.end:].any()
-        assert got[rows:, 0].all()  # padded rows see something (no row of -inf only)
-        assert torch.equal(tree_positions(tree)[start:], positions[:rows])
-    chain = static_visibility(torch.arange(3, 6), torch.arange(3, 6), 8, window)
-    assert torch.equal(chain, visible_keys(torch.arange(3, 6), 8, window))
 
 
 def _steps():

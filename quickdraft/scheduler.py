@@ -176,8 +176,9 @@ class Scheduler:
                 self._fail_unschedulable()
             return []
         batch = list(self.running)
+        seqs = [request.sequences[index] for request, index in batch]
         try:
-            committed = self.engine.step_batch([request.sequences[index] for request, index in batch])
+            committed = self.engine.step_batch(seqs)
         except BaseException:
             # The step's sequences are in an unknown state: end them (finish_reason "error") and free their
             # blocks, so that nothing leaks, then let the caller see the exception.
@@ -195,30 +196,35 @@ class Scheduler:
         if self.memory.bounded:  # what the budget's accounting is checked against (tests, leak runs)
             self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_measured_bytes())
         if self.memory.prefix_caching:
-            for request, index in batch:
-                self.memory.store_prefix(request.sequences[index])
+            self.memory.store_prefixes(seqs)
         now = time.perf_counter()
         updates = []
-        for (request, index), tokens in zip(batch, committed):
-            seq = request.sequences[index]
+        finished = False
+        for (request, index), seq, tokens in zip(batch, seqs, committed):
             first = len(seq.output_ids) - len(tokens)
             detokenizer = request.detokenizers[index]
             # Stop strings end a sequence by its text: decoded now (it may cut the step's tokens); else later.
-            delta = detokenizer.update(seq, len(tokens)) if detokenizer.eager else \
-                detokenizer.defer(tokens, seq.finished)
+            if detokenizer.eager:
+                delta = detokenizer.update(seq, len(tokens))
+            else:
+                delta = detokenizer.defer(tokens, seq.finish_reason is not None)
             metrics = seq.metrics
+            elapsed = now - request.arrival_time
             if metrics.first_token_time_s is None:
-                metrics.first_token_time_s = now - request.arrival_time
-            metrics.wall_time_s = now - request.arrival_time
-            updates.append(SequenceUpdate(request.request_id, index, tokens, delta, seq.finished, seq.finish_reason,
+                metrics.first_token_time_s = elapsed
+            metrics.wall_time_s = elapsed
+            reason = seq.finish_reason
+            updates.append(SequenceUpdate(request.request_id, index, tokens, delta, reason is not None, reason,
                                           seq.logprobs[first:] if seq.logprobs is not None else None,
                                           seq.prompt_logprobs if first == 0 else None))
-            if seq.finished:
+            if reason is not None:
+                finished = True
                 self._free(seq)
-        self.running = [item for item in self.running if not item[0].sequences[item[1]].finished]
-        for request in {id(r): r for r, _ in batch}.values():
-            if request.finished:
-                self.requests.pop(request.request_id, None)
+        if finished:  # the running list and the requests change only where a sequence finished
+            self.running = [item for item in self.running if not item[0].sequences[item[1]].finished]
+            for request in {id(r): r for r, _ in batch}.values():
+                if request.finished:
+                    self.requests.pop(request.request_id, None)
         return updates
 
     # --- policy -------------------------------------------------------------------------------------------

@@ -300,21 +300,34 @@ class Sequence:
         ends the request; count what was appended, and keep the log-probabilities of what was appended
         (`logprobs`, one per step token, when the request asked for them). Returns the tokens appended."""
         params = self.params
-        last_code = TARGET_TOKEN if len(drafts) == num_proposed else correction_code(len(drafts))
-        steps = [(t, i) for i, t in enumerate(drafts)] + [(token, last_code)]
-        taken: list[int] = []
-        for t, code in steps:
-            taken.append(t)
-            self.provenance.append(code)
-            self.metrics.count_emitted(code)
-            if t in params.stop_token_ids or (t in eos_token_ids and not params.ignore_eos):
+        num_drafts = len(drafts)
+        steps = [*drafts, token]
+        # Where the step ends: the first token that stops the request (a stop or EOS token; the grammar complete),
+        # else the one that fills max_tokens or the context. Checked in that order for each token.
+        room = min(params.max_tokens - len(self.output_ids), max_len - len(self._token_ids))
+        stops = params.stop_token_ids
+        eos = () if params.ignore_eos else eos_token_ids
+        count = len(steps)
+        for i, t in enumerate(steps):
+            if t in stops or t in eos:
                 self.finish_reason = "stop"
-            elif self.grammar is not None and self.grammar.stopped(self.output_ids + taken):
+            elif self.grammar is not None and self.grammar.stopped(self.output_ids + steps[:i + 1]):
                 self.finish_reason = "stop"  # the grammar is complete and takes nothing more (vLLM does the same)
-            elif len(self.output_ids) + len(taken) >= params.max_tokens or len(self._token_ids) + len(taken) >= max_len:
+            elif i + 1 >= room:
                 self.finish_reason = "length"
             if self.finish_reason:
+                count = i + 1
                 break
+        taken = steps[:count] if count < len(steps) else steps
+        # Provenance: draft position i for an accepted draft, then the target's token (a bonus or a correction).
+        codes = list(range(min(count, num_drafts)))
+        if count > num_drafts:
+            codes.append(TARGET_TOKEN if num_drafts == num_proposed else correction_code(num_drafts))
+        self.provenance.extend(codes)
+        metrics = self.metrics
+        for code in codes:
+            if code != TARGET_TOKEN:  # the target's own token with no rejection before it counts nothing
+                metrics.count_emitted(code)
         self.output_ids.extend(taken)
         self._token_ids.extend(taken)
         if self.logprobs is not None and logprobs is not None:

@@ -115,6 +115,11 @@ class PrefixCache:
         self.hit_tokens += positions
         return positions
 
+    @staticmethod
+    def has_new_blocks(cache: StaticSequenceCache) -> bool:
+        """Whether `cache` has a full block that store has not seen yet (its digests name those it saw)."""
+        return len(cache) // BLOCK_SIZE > len(cache.block_digests)
+
     def store(self, cache: StaticSequenceCache) -> None:
         """Keep the full blocks of `cache` (its committed positions) that are not kept yet."""
         full = len(cache) // BLOCK_SIZE

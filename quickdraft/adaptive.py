@@ -39,7 +39,9 @@ PRIOR_COST_SLOPE = 0.05
 # Its counts decay toward the engine's prior, which is floored at PRIOR_ACCEPTANCE; where that rate does not pay
 # for a draft (the Qwen 0.5B draft costs ~0.4 of the 1.5B's step on a 2-core CPU: 0.6 a position is about
 # break-even), decaying alone never made it draft again, so it never saw its text turn easy. One draft token every
-# 16 steps costs at most ~3% of a plain request's time (chosen, not tuned).
+# 16 steps costs at most ~3% of a plain request's time (chosen, not tuned). In a batch (choose_batch_k) the
+# interval stretches where a probe's row costs more than half of what a plain step spends per token, and probes
+# stop where it costs as much (batch_probe_interval).
 PROBE_INTERVAL = 16
 
 
@@ -371,6 +373,29 @@ class BatchCosts:
         return target + drafting * (per_seq or 0.0)
 
 
+def batch_probe_interval(costs: BatchCosts, base_rows: int, batch: int, model_draft: bool) -> float:
+    """After how many steps without drafts a sequence of this batch probes (drafts one token): PROBE_INTERVAL
+    where a probe is cheap, longer as it nears what it could win, never (inf) where it cannot win anything.
+
+    share = what a probe adds to the step (its verification row, and its draft) over what the plain step spends
+    per token, priced as every sequence of the batch probing at once (what the step adds over `batch` more rows,
+    per row: a slope over that span, not between two neighbouring points of the measured curve, which noise can
+    make flat). A draft accepted every time saves at most 1 - share of a token's cost a row, so probing for an
+    easy text pays only while share < 1: the interval is PROBE_INTERVAL * max(1, share / (1 - share)), as long as
+    at share = 1/2 and growing to never as share reaches 1. Where verification competes for compute (a large batch
+    on a CPU: a row costs about what a plain token does) a probe of every idle sequence every PROBE_INTERVAL steps
+    slowed the batch by ~4% with nothing to find; where rows are nearly free (memory-bound) it stays
+    PROBE_INTERVAL."""
+    plain = costs.step_seconds(base_rows, 0, 0, model_draft)
+    every = costs.step_seconds(base_rows + batch, 1, batch, model_draft)
+    if plain is None or every is None or plain <= 0:
+        return float(PROBE_INTERVAL)
+    share = (every - plain) / plain  # (every - plain) / batch a probe, over plain / batch a token
+    if share >= 1:
+        return math.inf
+    return PROBE_INTERVAL * max(1.0, share / (1 - share))
+
+
 def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int, costs: BatchCosts,
                    model_draft: bool) -> list[int]:
     """Each sequence's k (at most caps[i]) maximising the whole batch's expected tokens per second.
@@ -379,9 +404,10 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
     the acceptance rates up to it); candidates are taken best first (which keeps each sequence's positions in
     order, as those chances only fall), and the number taken is the one with the best tokens per second,
     where the step costs the target forward over all its rows plus the draft. Zero drafts when drafting would
-    slow the batch down; every cap while nothing has been measured (try the largest K, then learn); one draft for a
-    sequence due for a probe that would draft none (AcceptanceStats.due_for_probe)."""
-    drafts_unmeasured = not (costs.draft_forward.points if model_draft else costs.lookup.points)
+    slow the batch down; every cap while the target's cost or a draft model's is not measured (try the largest K,
+    then learn; a lookup's cost, a small share of a step, counts as nothing until a drafting step measures it); one
+    draft for a sequence due for a probe that would draft none (batch_probe_interval)."""
+    drafts_unmeasured = model_draft and not costs.draft_forward.points
     if costs.step_seconds(base_rows, 0, 0, model_draft) is None or (drafts_unmeasured and any(caps)):
         return list(caps)
     chances, owners, positions = [], [], []
@@ -408,11 +434,12 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
             taken = np.zeros(len(caps), dtype=np.int64)
             np.maximum.at(taken, owner[:best + 1], position[:best + 1] + 1)
             chosen = taken.tolist()
-    if not any(s.due_for_probe for s in stats):
+    interval = batch_probe_interval(costs, base_rows, len(caps), model_draft)
+    if not any(s.steps_without_drafts >= interval for s in stats):
         return chosen
     # A probe's draft forward costs the same for one sequence or several: the idle ones half-way to theirs probe
     # in the same step, and from then on in step with each other.
-    return [min(1, cap) if k == 0 and s.steps_without_drafts >= PROBE_INTERVAL // 2 else k
+    return [min(1, cap) if k == 0 and s.steps_without_drafts >= interval // 2 else k
             for k, cap, s in zip(chosen, caps, stats)]
 
 

@@ -1,5 +1,7 @@
 """Adaptive K: the cost model, the acceptance estimate, the choice, and the engine using them."""
 
+import math
+
 import pytest
 
 from conftest import tiny_llama
@@ -112,12 +114,14 @@ def test_a_request_at_k0_probes_one_draft_every_probe_interval_steps():
 
 
 def test_batch_probes_are_taken_together():
-    from quickdraft.adaptive import BatchCosts, choose_batch_k
+    from quickdraft.adaptive import BatchCosts, batch_probe_interval, choose_batch_k
 
     costs = BatchCosts()
     for rows in (3, 6, 9):
         for _ in range(3):
-            costs.record(rows, 0.050 + 0.010 * rows, 3, 3, 0.090)
+            costs.record(rows, 0.050 + 0.010 * rows, 3, 3, 0.009)  # a draft forward: 3 ms
+    # A probe (a row, a draft forward) costs under half of what the plain step spends a token: the plain interval.
+    assert batch_probe_interval(costs, 3, 3, model_draft=True) == adaptive.PROBE_INTERVAL
     stats = [AcceptanceStats() for _ in range(3)]
     for s in stats:
         for _ in range(10):
@@ -131,6 +135,46 @@ def test_batch_probes_are_taken_together():
         stats[2].update(0, 0)
     assert choose_batch_k(stats, [4, 0, 4], 3, costs, model_draft=True) == [1, 0, 0]  # sequence 1 is capped
     assert choose_batch_k(stats, [4, 4, 4], 3, costs, model_draft=True) == [1, 1, 0]
+
+
+def test_a_batch_probes_only_where_a_draft_could_win_something():
+    """A probe's row costs about what a plain token does where verification competes for compute (64 sequences on
+    a CPU): no acceptance could pay for drafting there, so idle sequences do not probe at all (they did every
+    PROBE_INTERVAL steps, ~4% of a batch's time on this CPU's 64-sequence steps); the interval stretches as a probe
+    nears that cost, and stays PROBE_INTERVAL where rows are nearly free."""
+    from quickdraft.adaptive import BatchCosts, batch_probe_interval, choose_batch_k
+
+    compute_bound, memory_bound, halfway = BatchCosts(), BatchCosts(), BatchCosts()
+    for _ in range(3):
+        for rows in range(64, 72):
+            compute_bound.record(rows, 0.002 + 0.0011 * rows, 1, 0, 0.0003)  # a row: 1.1 ms, a token: 1.1 ms
+        for rows in range(4, 12):
+            memory_bound.record(rows, 0.010 + 0.0005 * rows, 1, 0, 0.0003)
+            halfway.record(rows, 0.010 + 0.002 * rows, 1, 0, 0.0003)
+    assert batch_probe_interval(compute_bound, 64, 64, model_draft=False) == math.inf
+    assert batch_probe_interval(memory_bound, 4, 4, model_draft=False) == adaptive.PROBE_INTERVAL
+    assert adaptive.PROBE_INTERVAL < batch_probe_interval(halfway, 4, 4, model_draft=False) < math.inf
+    idle = [AcceptanceStats() for _ in range(64)]
+    for s in idle:
+        for _ in range(10 * adaptive.PROBE_INTERVAL):
+            s.update(0, 0)
+    assert choose_batch_k(idle, [4] * 64, 64, compute_bound, model_draft=False) == [0] * 64
+    assert min(choose_batch_k(idle[:4], [4] * 4, 4, memory_bound, model_draft=False)) >= 1
+
+
+def test_an_unmeasured_lookup_cost_does_not_make_a_batch_draft_every_cap():
+    """A lookup's cost is forgotten after max_age steps without drafts; the batch then weighs drafts by the
+    target's measured cost (a lookup counted as free) instead of drafting every cap to measure it (64 sequences
+    x 5 drafts: a step ~4x as long as a plain one on this CPU)."""
+    from quickdraft.adaptive import BatchCosts, choose_batch_k
+
+    costs = BatchCosts()
+    for _ in range(3):
+        for rows in range(64, 72):
+            costs.record(rows, 0.002 + 0.0011 * rows, 0, 0, None)
+    assert not costs.lookup.points
+    assert choose_batch_k([_half() for _ in range(64)], [5] * 64, 64, costs, model_draft=False) == [0] * 64
+    assert choose_batch_k([_half() for _ in range(4)], [5] * 4, 4, BatchCosts(), model_draft=False) == [5] * 4
 
 
 def test_a_request_accepting_every_single_draft_tries_a_deeper_one():

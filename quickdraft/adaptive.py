@@ -60,13 +60,18 @@ class _Curve:
     def __init__(self, window: int = 9, max_age: int = 128):
         self.window, self.max_age = window, max_age
         self._samples: dict[int, deque[float]] = {}
+        self._medians: dict[int, float] = {}  # x -> the median of its samples
         self._last: dict[int, int] = {}  # x -> the record count when it was last measured
         self._records = 0
         self._fit: list[tuple[int, float]] | None = None  # sorted (x, fitted cost), recomputed after a record
+        self._fit_arrays: tuple[np.ndarray, np.ndarray] | None = None  # the same as arrays (estimates)
 
     def record(self, x: int, seconds: float) -> None:
-        self._samples.setdefault(x, deque(maxlen=self.window)).append(seconds)
+        samples = self._samples.setdefault(x, deque(maxlen=self.window))
+        samples.append(seconds)
+        self._medians[x] = statistics.median(samples)  # the other points' medians stand
         self._last[x] = self._records + 1
+        self._fit = self._fit_arrays = None
         self.tick()
 
     def tick(self) -> None:
@@ -75,9 +80,11 @@ class _Curve:
         slow (a busy minute) that made adaptive K stop drafting is forgotten after max_age steps and drafting
         is tried again. Otherwise nothing would ever measure it anew."""
         self._records += 1
-        for stale in [p for p, last in self._last.items() if self._records - last > self.max_age]:
-            del self._samples[stale], self._last[stale]
-        self._fit = None
+        stale = [p for p, last in self._last.items() if self._records - last > self.max_age]
+        if stale:  # the fit changes only where a point went (or a sample came: record)
+            for p in stale:
+                del self._samples[p], self._last[p], self._medians[p]
+            self._fit = self._fit_arrays = None
 
     @property
     def points(self) -> dict[int, float]:
@@ -88,10 +95,9 @@ class _Curve:
 
     def _fitted(self) -> list[tuple[int, float]]:
         if self._fit is None:
-            points = sorted(self._samples.items())
-            values = monotone_fit([statistics.median(samples) for _, samples in points],
-                                  [float(len(samples)) for _, samples in points])
-            self._fit = list(zip([x for x, _ in points], values))
+            xs = sorted(self._samples)
+            values = monotone_fit([self._medians[x] for x in xs], [float(len(self._samples[x])) for x in xs])
+            self._fit = list(zip(xs, values))
         return self._fit
 
     def estimate(self, x: int, prior_slope: float) -> float | None:
@@ -118,8 +124,10 @@ class _Curve:
         known = self._fitted()
         if not known:
             return None
-        points = np.array([x for x, _ in known], dtype=np.int64)
-        values = np.array([v for _, v in known], dtype=np.float64)
+        if self._fit_arrays is None:
+            self._fit_arrays = (np.array([x for x, _ in known], dtype=np.int64),
+                                np.array([v for _, v in known], dtype=np.float64))
+        points, values = self._fit_arrays
         if len(known) == 1:
             return np.maximum(1e-9, values[0] * (1 + prior_slope * (xs - points[0])))
         position = np.searchsorted(points, xs, side="left")
@@ -434,8 +442,11 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
             taken = np.zeros(len(caps), dtype=np.int64)
             np.maximum.at(taken, owner[:best + 1], position[:best + 1] + 1)
             chosen = taken.tolist()
+    idle = max(s.steps_without_drafts for s in stats)
+    if idle < PROBE_INTERVAL:  # the shortest interval (spares pricing a probe on most steps)
+        return chosen
     interval = batch_probe_interval(costs, base_rows, len(caps), model_draft)
-    if not any(s.steps_without_drafts >= interval for s in stats):
+    if idle < interval:
         return chosen
     # A probe's draft forward costs the same for one sequence or several: the idle ones half-way to theirs probe
     # in the same step, and from then on in step with each other.

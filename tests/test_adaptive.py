@@ -583,3 +583,35 @@ def test_choose_tree_nodes_weighs_extra_nodes_against_the_tokens_already_kept():
     # they expect 3 (a kept chain): 1.3 / 1.1 > 1 / 1, but 4.3 / 1.1 < 4 / 1.
     assert adaptive.choose_tree_nodes([[0.3]], 1, _tree_costs(0.1)) == [1]
     assert adaptive.choose_tree_nodes([[0.3]], 1, _tree_costs(0.1), base_tokens=3.0) == [0]
+
+
+def test_a_batch_of_few_candidates_chooses_as_the_numpy_path_does(monkeypatch):
+    """choose_batch_k picks among few candidates in plain Python (cheaper in the engine's loop) and among many with
+    numpy: the same arithmetic in the same order, so the same choices on random batches, costs and draft kinds."""
+    import random
+
+    from quickdraft.adaptive import AcceptancePrior, BatchCosts, choose_batch_k
+
+    rng = random.Random(3)
+    cases = []
+    for _ in range(60):
+        size = rng.randint(1, 8)
+        prior = AcceptancePrior()
+        stats = []
+        for _ in range(size):
+            s = AcceptanceStats(prior)
+            for _ in range(rng.randint(0, 30)):
+                proposed = rng.randint(0, 5)
+                s.update(proposed, rng.randint(0, proposed))
+            stats.append(s)
+        costs, model_draft = BatchCosts(), rng.random() < 0.5
+        for _ in range(rng.randint(1, 40)):
+            rows, drafting = rng.randint(1, 4 * size), rng.randint(0, size)
+            costs.record(rows, 0.004 + 0.001 * rows * rng.uniform(0.5, 1.5), drafting,
+                         drafting if model_draft else 0, 0.0002 * drafting * rng.uniform(0.5, 2) if drafting else None)
+        cases.append((stats, [rng.choice([0, 1, 3, 5]) for _ in range(size)], size, costs, model_draft))
+    monkeypatch.setattr(adaptive, "FEW_CANDIDATES", 10 ** 9)
+    few = [choose_batch_k(*case) for case in cases]
+    monkeypatch.setattr(adaptive, "FEW_CANDIDATES", 0)
+    many = [choose_batch_k(*case) for case in cases]
+    assert few == many and any(map(any, few)) and not all(map(all, few))

@@ -247,9 +247,11 @@ class Engine:
     def _feeds(self, seqs: list[Sequence], drafts: list[torch.Tensor]
                ) -> tuple[list, list[torch.Tensor], list[int]]:
         """Each sequence's cache (synced to its history), its feed (what the cache lacks of the history, then
-        its drafts) and its history's length. The history parts come from one host-to-device copy."""
-        caches, starts, histories, host = [], [], [], []
-        for seq in seqs:
+        its drafts) and its history's length. The history parts and the drafts made on the host (lookups) come
+        from one host-to-device copy (from pinned memory, not waited for, on a GPU); a draft made on the device
+        (a draft model's there) is joined to its feed on the device, with no host read."""
+        caches, bounds, histories, host, on_device = [], [0], [], [], {}
+        for i, (seq, draft) in enumerate(zip(seqs, drafts)):
             history = seq.token_ids
             cache = seq.target_cache
             mark = seq.cache_mark
@@ -262,14 +264,21 @@ class Engine:
                 cache.rollback(start)
             caches.append(cache)
             histories.append(len(history))
-            starts.append(len(host))
             host += history[start:]
-        parts = torch.tensor(host, dtype=torch.long).to(self.device)
-        ends = starts[1:] + [len(host)]
-        feeds = list(parts.split([b - a for a, b in zip(starts, ends)]))  # views, in one call
-        for i, draft in enumerate(drafts):
             if draft.numel():
-                feeds[i] = torch.cat([feeds[i], draft.to(parts.device)])
+                if draft.device.type == "cpu":
+                    host += draft.tolist()
+                else:
+                    on_device[i] = draft
+            bounds.append(len(host))
+        parts = torch.tensor(host, dtype=torch.long)
+        if torch.device(self.device).type == "cuda":
+            parts = parts.pin_memory().to(self.device, non_blocking=True)
+        else:
+            parts = parts.to(self.device)
+        feeds = list(parts.split([b - a for a, b in zip(bounds, bounds[1:])]))  # views, in one call
+        for i, draft in on_device.items():
+            feeds[i] = torch.cat([feeds[i], draft.to(parts.device)])
         return caches, feeds, histories
 
     def _observe(self, seqs: list[Sequence], feeds: list[torch.Tensor], ks: list[int], histories: list[int],

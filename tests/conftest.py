@@ -151,3 +151,16 @@ def run_staggered(scheduler, prompts, params, abort_step: int, abort_id: str = "
             outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
         steps += 1
     return outputs
+
+
+def recorded_graph_keys(runner) -> list:
+    """The graph key of every forward a CUDA runner makes from now on, in order (its _run wrapped)."""
+    keys = []
+    original = runner._run
+
+    def noting(step, embeds):
+        keys.append(step.key())
+        return original(step, embeds)
+
+    runner._run = noting
+    return keys

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_gemma3, tiny_llama, tiny_llama16
+from conftest import recorded_graph_keys, tiny_gemma3, tiny_llama, tiny_llama16
 from quickdraft import LLM, SamplingParams
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import factory
@@ -131,14 +131,7 @@ def test_a_decode_reuses_a_few_shapes():
     a GPU nearly every step replays a graph already captured."""
     _, static = _pair(tiny_llama)
     cache = static.new_cache()
-    keys = []
-    original = static._run
-
-    def noting(step, embeds):
-        keys.append(step.key())
-        return original(step, embeds)
-
-    static._run = noting
+    keys = recorded_graph_keys(static)
     static.forward(cache, torch.arange(20) % 32, 1)
     for step in range(100):
         static.forward(cache, torch.tensor([step % 32]), 1)

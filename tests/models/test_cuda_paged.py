@@ -11,7 +11,7 @@ import gc
 import pytest
 import torch
 
-from conftest import tiny_gemma3, tiny_llama
+from conftest import recorded_graph_keys, tiny_gemma3, tiny_llama
 from quickdraft.kv import KVPoolFull
 from quickdraft.kv.paged import NULL_BLOCK
 from quickdraft.models.base import TreeAttention
@@ -85,14 +85,7 @@ def test_the_graph_key_is_the_padded_shape_not_the_caches():
     """Two different sets of sequences of the same bucketed shape make one key (one graph serves both); padding
     sequences and rows write only the null block."""
     runner = _runner()
-    keys = []
-    original = runner._run
-
-    def noting(step, embeds):
-        keys.append(step.key())
-        return original(step, embeds)
-
-    runner._run = noting
+    keys = recorded_graph_keys(runner)
     first, second = [runner.new_cache() for _ in range(3)], [runner.new_cache() for _ in range(3)]
     for caches in (first, second):
         runner.forward_batch(caches, [torch.arange(5), torch.arange(7), torch.arange(3)], [1, 1, 1])

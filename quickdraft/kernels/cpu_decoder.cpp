@@ -16,6 +16,9 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool u
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
 torch::Tensor linear_quant(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
                            const std::vector<int64_t>& types, bool float_output, const std::string& kernel_name);
+std::tuple<torch::Tensor, bool> linear_quant_argmax(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                                                    const std::vector<int64_t>& types, const std::string& kernel_name,
+                                                    int64_t valid_columns);
 torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t type, const torch::Tensor& rows, int64_t K);
 std::string get_quant_kernel(const std::string& model_kernel);
 std::string set_quant_kernel(const std::string& name);
@@ -217,6 +220,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Q4_K, Q5_K, Q6_K) packed by quickdraft.kernels.quant, batch-invariant; bf16, or float32 if float_output",
         py::arg("x"), py::arg("weights"), py::arg("types"), py::arg("float_output") = false,
         py::arg("kernel") = "");
+  m.def("linear_quant_argmax", &linear_quant_argmax, "each row's first index of its maximum over the first "
+        "valid_columns outputs of linear_quant(x, weights, types, True, kernel), bitwise, without writing the [M, N] "
+        "logits; and whether some row holds a NaN (then the indices mean nothing)", py::arg("x"), py::arg("weights"),
+        py::arg("types"), py::arg("kernel"), py::arg("valid_columns"));
   m.def("quant_kernel", &get_quant_kernel, "the quantized linear kernel a call runs for a model that chose `kernel` "
         "(\"\": none): bf16, int8, int8x32 or int16 (integer digits an activation, AVX512-VNNI)",
         py::arg("kernel") = "");

@@ -35,6 +35,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cpu_quant.h"
@@ -43,6 +44,9 @@
 bool quant_vnni_available();
 at::Tensor linear_quant_vnni(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                                 const std::vector<int64_t>& types, int digits, bool fine, bool float_output);
+std::tuple<at::Tensor, bool> linear_quant_vnni_argmax(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                                      const std::vector<int64_t>& types, int digits, bool fine,
+                                                      int64_t valid_columns);
 
 namespace {
 
@@ -207,9 +211,9 @@ void tile(const int32_t* x, int64_t half_k, const float* xsum, int64_t xsum_stri
       store16(y + m * ldy + j * 16, total[m][j]);
 }
 
-// Groups [g0, g1) of one weight, all M rows. One or two rows take 4 groups a tile (independent accumulators
-// hide the dot product's latency); more rows go in blocks of at most 6, as even as possible, by 2
-// groups (each unpacked weight vector then serves up to 6 rows).
+// Groups [g0, g1) of one weight, all M rows, into y (group g0's first output of row 0). One or two rows take 4
+// groups a tile (independent accumulators hide the dot product's latency); more rows go in blocks of at most 6, as
+// even as possible, by 2 groups (each unpacked weight vector then serves up to 6 rows).
 template <class Q, class Y>
 void groups(const int32_t* x, int64_t M, int64_t half_k, const float* xsum, int64_t xsum_stride, const uint8_t* w,
             int64_t g0, int64_t g1, Y* y, int64_t ldy) {
@@ -219,8 +223,9 @@ void groups(const int32_t* x, int64_t M, int64_t half_k, const float* xsum, int6
   int64_t g = g0;
   if (M <= 2) {
     for (; g + 4 <= g1; g += 4) {
-      if (M == 1) tile<Q, 1, 4>(x, half_k, xsum, xsum_stride, at(g), group_bytes, super_blocks, y + g * 16, ldy);
-      else tile<Q, 2, 4>(x, half_k, xsum, xsum_stride, at(g), group_bytes, super_blocks, y + g * 16, ldy);
+      Y* yg = y + (g - g0) * 16;
+      if (M == 1) tile<Q, 1, 4>(x, half_k, xsum, xsum_stride, at(g), group_bytes, super_blocks, yg, ldy);
+      else tile<Q, 2, 4>(x, half_k, xsum, xsum_stride, at(g), group_bytes, super_blocks, yg, ldy);
     }
   }
   const int64_t row_blocks = (M + 5) / 6, block_rows = (M + row_blocks - 1) / row_blocks;
@@ -230,7 +235,7 @@ void groups(const int32_t* x, int64_t M, int64_t half_k, const float* xsum, int6
       const int64_t rows = std::min<int64_t>(block_rows, M - m0);
       const int32_t* xm = x + m0 * half_k;
       const float* sm = xsum + m0 * xsum_stride;
-      Y* ym = y + m0 * ldy + g * 16;
+      Y* ym = y + m0 * ldy + (g - g0) * 16;
 #define QD_TILE(R)                                                                                         \
   case R:                                                                                                  \
     if (pair) tile<Q, R, 2>(xm, half_k, sm, xsum_stride, at(g), group_bytes, super_blocks, ym, ldy);        \
@@ -311,6 +316,77 @@ std::string set_quant_kernel(const std::string& name) {
   return before == kNone ? "" : kKernelNames[before];
 }
 
+namespace {
+
+// A checked call of linear_quant or linear_quant_argmax: the kernel it runs, x as that kernel reads it, and the
+// parts side by side.
+struct Call {
+  int kernel;
+  at::Tensor x;
+  std::vector<Part> parts;
+  int64_t M, K, N = 0, total_groups = 0;
+  bool mins = false;
+  int digits() const { return kernel == kInt16 ? 2 : 1; }
+  bool fine() const { return kernel == kInt8x32; }
+};
+
+Call checked_call(const at::Tensor& x_in, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& types,
+                  const std::string& kernel_name) {
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat) &&
+              x_in.is_contiguous() && x_in.device().is_cpu(), "x must be a contiguous 2-d bf16 or float32 CPU tensor");
+  Call call;
+  // float32 x: the integer kernels quantize it as it is; the bf16 kernel reads it rounded to bf16.
+  call.kernel = kernel_for(kernel_name);
+  call.x = call.kernel == kBf16 ? x_in.to(at::kBFloat16) : x_in;
+  TORCH_CHECK(!weights.empty() && weights.size() == types.size(), "one type per quantized weight");
+  call.M = call.x.size(0), call.K = call.x.size(1);
+  TORCH_CHECK(call.K % 32 == 0, "K must be a multiple of 32, got ", call.K);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    check_weight(weights[i], types[i], call.K);
+    call.parts.push_back({weights[i].data_ptr<uint8_t>(), types[i], weights[i].size(0), call.N});
+    call.N += weights[i].size(0) * 16;
+    call.total_groups += weights[i].size(0);
+    call.mins = call.mins || packed_type(types[i]).mins;
+  }
+  return call;
+}
+
+// The bf16 kernel's inputs: x as pairs of bf16, and per row the float32 sum of x over each 32-wide block, in one
+// fixed order (the mins' term).
+class Bf16Inputs {
+ public:
+  explicit Bf16Inputs(const Call& call)
+      : call_(call), half_k_(call.K / 2), blocks_(call.K / 32), xsum_(call.mins ? call.M * blocks_ : 1, 0.0f) {
+    if (!call.mins) return;
+    const auto* xb = call.x.data_ptr<c10::BFloat16>();
+    for (int64_t m = 0; m < call.M; ++m)
+      for (int64_t b = 0; b < blocks_; ++b) {
+        float s = 0.0f;
+        for (int k = 0; k < 32; ++k) s += static_cast<float>(xb[m * call.K + b * 32 + k]);
+        xsum_[m * blocks_ + b] = s;
+      }
+  }
+
+  // Groups [begin, end) of all parts into y: output column c of row m at y[m * ldy + c - first].
+  template <class Y>
+  void run_groups(int64_t begin, int64_t end, Y* y, int64_t ldy, int64_t first) const {
+    const auto* xp = reinterpret_cast<const int32_t*>(call_.x.data_ptr<c10::BFloat16>());
+    for_parts(call_.parts, begin, end, [&](const Part& part, int64_t lo, int64_t hi) {
+      dispatch(part.type, [&](auto q) {
+        groups<decltype(q)>(xp, call_.M, half_k_, xsum_.data(), blocks_, part.w, lo, hi,
+                            y + part.column + lo * 16 - first, ldy);
+      });
+    });
+  }
+
+ private:
+  const Call& call_;
+  int64_t half_k_, blocks_;
+  std::vector<float> xsum_;
+};
+
+}  // namespace
+
 // y = x [W_0; W_1; ...]^T: the outputs of several quantized weights (each its own type) side by side, as a fused
 // q|k|v or gate|up projection whose parts GGUF stores in different types. x: [M, K] bf16 or float32; weights[i]: packed
 // [N_i/16, K/SB_i, chunk_i] uint8 of GGML type types[i]. Returns [M, sum N_i] bf16, or float32 if float_output
@@ -318,58 +394,38 @@ std::string set_quant_kernel(const std::string& name) {
 // "" for none (kernel_for says which runs).
 at::Tensor linear_quant(const at::Tensor& x_in, const std::vector<at::Tensor>& weights,
                            const std::vector<int64_t>& types, bool float_output, const std::string& kernel_name) {
-  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat) &&
-              x_in.is_contiguous() && x_in.device().is_cpu(), "x must be a contiguous 2-d bf16 or float32 CPU tensor");
-  // float32 x: the integer kernels quantize it as it is; the bf16 kernel reads it rounded to bf16.
-  const int kernel = kernel_for(kernel_name);
-  const at::Tensor x = kernel == kBf16 ? x_in.to(at::kBFloat16) : x_in;
-  TORCH_CHECK(!weights.empty() && weights.size() == types.size(), "one type per quantized weight");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32, got ", K);
-  std::vector<Part> parts;
-  int64_t N = 0, total_groups = 0;
-  bool mins = false;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    check_weight(weights[i], types[i], K);
-    parts.push_back({weights[i].data_ptr<uint8_t>(), types[i], weights[i].size(0), N});
-    N += weights[i].size(0) * 16;
-    total_groups += weights[i].size(0);
-    mins = mins || packed_type(types[i]).mins;
-  }
-  if (kernel != kBf16)
-    return linear_quant_vnni(x, weights, types, kernel == kInt16 ? 2 : 1, kernel == kInt8x32, float_output);
-  auto y = at::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
-  if (M == 0) return y;
-  const auto* xp = reinterpret_cast<const int32_t*>(x.data_ptr<c10::BFloat16>());
-  const int64_t half_k = K / 2, blocks = K / 32;
-  // Per row, the float32 sum of x over each 32-wide block, in one fixed order (the mins' term).
-  std::vector<float> xsum(mins ? M * blocks : 1, 0.0f);
-  if (mins) {
-    const auto* xb = x.data_ptr<c10::BFloat16>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t b = 0; b < blocks; ++b) {
-        float s = 0.0f;
-        for (int k = 0; k < 32; ++k) s += static_cast<float>(xb[m * K + b * 32 + k]);
-        xsum[m * blocks + b] = s;
-      }
-  }
+  const Call call = checked_call(x_in, weights, types, kernel_name);
+  if (call.kernel != kBf16)
+    return linear_quant_vnni(call.x, weights, types, call.digits(), call.fine(), float_output);
+  auto y = at::empty({call.M, call.N}, call.x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
+  if (call.M == 0) return y;
+  const Bf16Inputs inputs(call);
   // Threads split the groups of all parts (4 at a time: one few-row tile); a range may span parts.
   auto run = [&](auto* yp) {
-    at::parallel_for(0, total_groups, 4, [&](int64_t begin, int64_t end) {
-      int64_t base = 0;
-      for (const Part& part : parts) {
-        const int64_t lo = std::max(begin, base), hi = std::min(end, base + part.groups);
-        if (lo < hi)
-          dispatch(part.type, [&](auto q) {
-            groups<decltype(q)>(xp, M, half_k, xsum.data(), blocks, part.w, lo - base, hi - base, yp + part.column, N);
-          });
-        base += part.groups;
-      }
+    at::parallel_for(0, call.total_groups, 4, [&](int64_t begin, int64_t end) {
+      inputs.run_groups(begin, end, yp, call.N, 0);
     });
   };
   if (float_output) run(y.data_ptr<float>());
   else run(y.data_ptr<c10::BFloat16>());
   return y;
+}
+
+// Each row's first index of its maximum over columns [0, valid_columns) of linear_quant(x, weights, types, true,
+// kernel_name) (bitwise those logits: each computed by the same kernel, a small block of columns at a time into a
+// scratch that stays in cache, so the [M, N] logits are never written to memory), and whether some row holds a NaN
+// there (then the indices mean nothing: use linear_quant and torch). valid_columns: the real outputs (the last
+// group's padding excluded).
+std::tuple<at::Tensor, bool> linear_quant_argmax(const at::Tensor& x_in, const std::vector<at::Tensor>& weights,
+                                                 const std::vector<int64_t>& types, const std::string& kernel_name,
+                                                 int64_t valid_columns) {
+  const Call call = checked_call(x_in, weights, types, kernel_name);
+  if (call.kernel != kBf16)
+    return linear_quant_vnni_argmax(call.x, weights, types, call.digits(), call.fine(), valid_columns);
+  const Bf16Inputs inputs(call);
+  return argmax_by_blocks(call.M, call.total_groups, valid_columns, [&](int64_t g0, int64_t g1, float* y, int64_t ldy) {
+    inputs.run_groups(g0, g1, y, ldy, g0 * 16);
+  });
 }
 
 // Rows `rows` of a packed weight as float32 [len(rows), K] (the embedding lookup; the tests' view of the layout).

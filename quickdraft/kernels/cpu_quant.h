@@ -2,9 +2,9 @@
 // cpu_quant.cpp (codes widened to bf16, AVX512-BF16: the fallback) and cpu_quant_vnni.cpp (integer dot products,
 // AVX512-VNNI). quickdraft.kernels.quant packs the chunks; cpu_quant.cpp describes where the codes sit.
 //
-// Everything here has internal linkage (an unnamed namespace in each file that includes it): the two files are
-// compiled for different instruction sets, and the linker must never swap one file's copy of an inline function
-// for the other's.
+// Everything defined here has internal linkage (an unnamed namespace in each file that includes it): the two files
+// are compiled for different instruction sets, and the linker must never swap one file's copy of an inline function
+// for the other's. (argmax_by_blocks is only declared: cpu_rows.cpp defines it.)
 
 #pragma once
 
@@ -13,11 +13,35 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <tuple>
+#include <vector>
 
 #include "cpu_quant_scalar.h"  // the type ids, the high bits' positions, one weight's value
 
+// cpu_rows.cpp: each row's first index of its maximum over columns [0, valid_columns) of an [M, 16 total_groups]
+// float32 output that is never written whole: compute(g0, g1, y, ldy) writes its groups [g0, g1) of 16 columns
+// (column 16 g0 at y, rows ldy apart) into a small scratch per thread, reduced there. Returns the indices [M] and
+// whether some row holds a NaN (then the indices mean nothing: the caller falls back).
+using GroupsToFloat = std::function<void(int64_t g0, int64_t g1, float* y, int64_t ldy)>;
+std::tuple<at::Tensor, bool> argmax_by_blocks(int64_t M, int64_t total_groups, int64_t valid_columns,
+                                              const GroupsToFloat& compute);
+
 namespace {
+
+// Calls f(part, lo, hi) for each part's groups [lo, hi) (its own numbering) within groups [begin, end) of all
+// parts side by side (a range may span parts; P has `groups`).
+template <class P, class F>
+void for_parts(const std::vector<P>& parts, int64_t begin, int64_t end, F&& f) {
+  int64_t base = 0;
+  for (const P& part : parts) {
+    const int64_t lo = std::max(begin, base), hi = std::min(end, base + part.groups);
+    if (lo < hi) f(part, lo - base, hi - base);
+    base += part.groups;
+  }
+}
 
 inline __m512i load(const void* p) { return _mm512_loadu_si512(p); }
 inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }

@@ -33,6 +33,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -441,9 +442,10 @@ int many_row_groups() {
   return groups;
 }
 
-// Groups [g0, g1) of one weight, all rows. One or two rows take few_row_groups() groups a tile; more rows go in
-// blocks of at most 8 (as even as possible) by many_row_groups() groups: the groups' chunks come from memory once,
-// for the first block, and from cache for the others. A last group left over from the pairs goes alone.
+// Groups [g0, g1) of one weight, all rows, into y (group g0's first output of row 0). One or two rows take
+// few_row_groups() groups a tile; more rows go in blocks of at most 8 (as even as possible) by many_row_groups()
+// groups: the groups' chunks come from memory once, for the first block, and from cache for the others. A last group
+// left over from the pairs goes alone.
 template <class Q, int D, bool F, class Y>
 void groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y, int64_t ldy) {
   const int64_t M = a.M, super_blocks = a.K / Q::SB, group_bytes = super_blocks * Q::kChunk;
@@ -451,15 +453,15 @@ void groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, Y* y
   int64_t g = g0;
   if (M <= 2 && few_row_groups() == 4) {
     for (; g + 4 <= g1; g += 4) {
-      if (M == 1) tile<Q, 1, 4, D, F>(a, 0, at(g), group_bytes, super_blocks, y + g * 16, ldy);
-      else tile<Q, 2, 4, D, F>(a, 0, at(g), group_bytes, super_blocks, y + g * 16, ldy);
+      if (M == 1) tile<Q, 1, 4, D, F>(a, 0, at(g), group_bytes, super_blocks, y + (g - g0) * 16, ldy);
+      else tile<Q, 2, 4, D, F>(a, 0, at(g), group_bytes, super_blocks, y + (g - g0) * 16, ldy);
     }
   }
   const int64_t row_blocks = (M + 7) / 8, block_rows = (M + row_blocks - 1) / row_blocks;
   auto row_blocks_of = [&](auto group_count) {  // groups g .. g + NB - 1, every block of rows
     constexpr int NB = decltype(group_count)::value;
     for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
-      Y* ym = y + m0 * ldy + g * 16;
+      Y* ym = y + m0 * ldy + (g - g0) * 16;
 #define QD_TILE(R) \
   case R: tile<Q, R, NB, D, F>(a, m0, at(g), group_bytes, super_blocks, ym, ldy); break;
       switch (std::min<int64_t>(block_rows, M - m0)) { QD_TILE(1) QD_TILE(2) QD_TILE(3) QD_TILE(4) QD_TILE(5) QD_TILE(6) QD_TILE(7) QD_TILE(8) }
@@ -555,7 +557,7 @@ void amx_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_t g1, 
         for (int m = 0; m < R; ++m) _mm512_storeu_ps(at(r0 + m), acc[m]);
       }
     }
-    for (int64_t m = 0; m < M; ++m) store16(y + m * ldy + g * 16, _mm512_loadu_ps(at(m)));
+    for (int64_t m = 0; m < M; ++m) store16(y + m * ldy + (g - g0) * 16, _mm512_loadu_ps(at(m)));
   }
   _tile_release();
 }
@@ -669,7 +671,7 @@ void amx_super_groups(const Activations& a, const uint8_t* w, int64_t g0, int64_
         }
       }
     }
-    for (int64_t m = 0; m < M; ++m) store16(y + m * ldy + g * 16, _mm512_loadu_ps(total.data() + m * 16));
+    for (int64_t m = 0; m < M; ++m) store16(y + m * ldy + (g - g0) * 16, _mm512_loadu_ps(total.data() + m * 16));
   }
   _tile_release();
 }
@@ -760,86 +762,121 @@ int64_t set_quant_amx_rows(int64_t rows) {
   return amx_rows_set.exchange(rows);
 }
 
-// y = x [W_0; W_1; ...]^T as cpu_quant.cpp's linear_quant (which checked the arguments), with `digits` (1 or 2)
-// integer digits an activation, a scale per 32 activations for every type if `fine` (one digit only: int8x32),
-// else per weight block (256 for the K-quants); y float32 if float_output, else bf16. Runs only where
-// quant_vnni_available(). With `fine` the K-quants stay on vpdpbusd (amx_super_groups folds one activation scale per
+namespace {
+
+// A call of the integer kernels, set up once for either entry point: its parts, the activations quantized in each
+// variant its parts need, and whether it runs on AMX tiles. `digits` (1 or 2) integer digits an activation, a scale
+// per 32 activations for every type if `fine` (one digit only: int8x32), else per weight block (256 for the
+// K-quants). With `fine` the K-quants stay on vpdpbusd (amx_super_groups folds one activation scale per
 // super-block).
-at::Tensor linear_quant_vnni(const at::Tensor& x, const std::vector<at::Tensor>& weights,
-                                const std::vector<int64_t>& types, int digits, bool fine, bool float_output) {
-  TORCH_CHECK(digits == 1 || digits == 2, "digits must be 1 or 2");
-  TORCH_CHECK(!fine || digits == 1, "a scale per 32 activations is a one-digit scheme");
-  const int64_t M = x.size(0), K = x.size(1);
+class IntegerCall {
+ public:
+  IntegerCall(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& types,
+              int digits, bool fine)
+      : digits_(digits), fine_(fine) {
+    TORCH_CHECK(digits == 1 || digits == 2, "digits must be 1 or 2");
+    TORCH_CHECK(!fine || digits == 1, "a scale per 32 activations is a one-digit scheme");
+    M = x.size(0);
+    const int64_t K = x.size(1);
+    // activation variants: [K-quant blocks of 256 or blocks of 32][nibble order or natural]
+    bool needed[2][2] = {};
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const auto [wide, nibbles] = dispatch(types[i], [](auto q) {
+        using Q = decltype(q);
+        return std::pair<int, int>{Q::SB == 256, Q::kNibbles};
+      });
+      needed[wide][nibbles] = true;
+      parts_.push_back({weights[i].data_ptr<uint8_t>(), types[i], weights[i].size(0), N, 2 * wide + nibbles});
+      N += weights[i].size(0) * 16;
+      total_groups += weights[i].size(0);
+    }
+    if (M == 0) return;
+    // A tiles of 8 rows (each row's digits) for few rows, else 16; zero rows past M up to a whole pass
+    tile_rows_ = M * digits <= 8 ? 8 : 16;
+    const int64_t pass = tile_rows_ / digits;
+    // Blocks of 32: a pass costs about the same whatever rows it holds (the tiles' latency and the finish a block),
+    // a vpdpbusd row about 1/7 of a pass: a call whose last pass would be mostly zero rows runs on vpdpbusd instead
+    // (the same bits). Measured on the Qwen 1.5B forward before the K-quants' kernel (2 threads, two digits, ms:
+    // tiles / vpdpbusd): 8 rows 94 / 97, 9 138 / 107, 12 148 / 128, 16 166 / 161, 17 208 / 173, 24 198 / 218, 32
+    // 275 / 283. K-quants (amx_super_groups): a call costs its B tiles once and a pass little, so every call from
+    // kAmxRows rows runs on tiles. set_quant_amx_rows(n) puts every call of n rows or more on tiles, for the tests
+    // of every tiling.
+    const int64_t waste = (pass - M % pass) % pass;
+    const bool many = M >= amx_rows(digits) && amx_int8_in_use();
+    block_tiles_ = many && (amx_rows_set.load() > 0 || waste <= pass / 4);
+    tiles_ = many && !fine;  // K-quants
+    const int64_t rows = tiles_ || block_tiles_ ? (M + pass - 1) / pass * pass : M;
+    for (int wide = 0; wide < 2; ++wide)
+      for (int nibbles = 0; nibbles < 2; ++nibbles)
+        if (needed[wide][nibbles]) {
+          const int64_t block = wide && !fine ? 256 : 32;
+          Activations& a = acts_[2 * wide + nibbles];
+          if (x.scalar_type() == at::kFloat) quantize(x.data_ptr<float>(), M, rows, K, block, digits, nibbles, a);
+          else quantize(x.data_ptr<c10::BFloat16>(), M, rows, K, block, digits, nibbles, a);
+        }
+  }
+
+  // Groups [begin, end) of all parts into y: output column c of row m at y[m * ldy + c - first].
+  template <class Y>
+  void run_groups(int64_t begin, int64_t end, Y* y, int64_t ldy, int64_t first) const {
+    for_parts(parts_, begin, end, [&](const Part& part, int64_t g0, int64_t g1) {
+      dispatch(part.type, [&](auto q) {
+        using Q = decltype(q);
+        const Activations& a = acts_[part.variant];
+        Y* yq = y + part.column + g0 * 16 - first;
+        if (Q::kSubs > 1 ? tiles_ : block_tiles_) {
+          if (digits_ == 1 && tile_rows_ == 8) amx_kernel<Q, 1, 8>(a, part.w, g0, g1, yq, ldy);
+          else if (digits_ == 1) amx_kernel<Q, 1, 16>(a, part.w, g0, g1, yq, ldy);
+          else if (tile_rows_ == 8) amx_kernel<Q, 2, 8>(a, part.w, g0, g1, yq, ldy);
+          else amx_kernel<Q, 2, 16>(a, part.w, g0, g1, yq, ldy);
+        }
+        else if (fine_) groups<Q, 1, true>(a, part.w, g0, g1, yq, ldy);
+        else if (digits_ == 1) groups<Q, 1, false>(a, part.w, g0, g1, yq, ldy);
+        else groups<Q, 2, false>(a, part.w, g0, g1, yq, ldy);
+      });
+    });
+  }
+
+  int64_t M = 0, N = 0, total_groups = 0;
+
+ private:
   struct Part {
     const uint8_t* w;
     int64_t type, groups, column, variant;
   };
-  std::vector<Part> parts;
-  int64_t N = 0, total_groups = 0;
-  // activation variants: [K-quant blocks of 256 or blocks of 32][nibble order or natural]
-  bool needed[2][2] = {};
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const auto [wide, nibbles] = dispatch(types[i], [](auto q) {
-      using Q = decltype(q);
-      return std::pair<int, int>{Q::SB == 256, Q::kNibbles};
-    });
-    needed[wide][nibbles] = true;
-    parts.push_back({weights[i].data_ptr<uint8_t>(), types[i], weights[i].size(0), N, 2 * wide + nibbles});
-    N += weights[i].size(0) * 16;
-    total_groups += weights[i].size(0);
-  }
-  auto y = at::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
-  if (M == 0) return y;
-  // A tiles of 8 rows (each row's digits) for few rows, else 16; zero rows past M up to a whole pass
-  const int tile_rows = M * digits <= 8 ? 8 : 16;
-  const int64_t pass = tile_rows / digits;
-  // Blocks of 32: a pass costs about the same whatever rows it holds (the tiles' latency and the finish a block), a
-  // vpdpbusd row about 1/7 of a pass: a call whose last pass would be mostly zero rows runs on vpdpbusd instead (the
-  // same bits). Measured on the Qwen 1.5B forward before the K-quants' kernel (2 threads, two digits, ms: tiles /
-  // vpdpbusd): 8 rows 94 / 97, 9 138 / 107, 12 148 / 128, 16 166 / 161, 17 208 / 173, 24 198 / 218, 32 275 / 283.
-  // K-quants (amx_super_groups): a call costs its B tiles once and a pass little, so every call from kAmxRows
-  // rows runs on tiles. set_quant_amx_rows(n) puts every call of n rows or more on tiles, for the tests of every
-  // tiling.
-  const int64_t waste = (pass - M % pass) % pass;
-  const bool many = M >= amx_rows(digits) && amx_int8_in_use();
-  const bool block_tiles = many && (amx_rows_set.load() > 0 || waste <= pass / 4);
-  const bool tiles = many && !fine;  // K-quants
-  const int64_t rows = tiles || block_tiles ? (M + pass - 1) / pass * pass : M;
-  Activations acts[4];
-  for (int wide = 0; wide < 2; ++wide)
-    for (int nibbles = 0; nibbles < 2; ++nibbles)
-      if (needed[wide][nibbles]) {
-        const int64_t block = wide && !fine ? 256 : 32;
-        Activations& a = acts[2 * wide + nibbles];
-        if (x.scalar_type() == at::kFloat) quantize(x.data_ptr<float>(), M, rows, K, block, digits, nibbles, a);
-        else quantize(x.data_ptr<c10::BFloat16>(), M, rows, K, block, digits, nibbles, a);
-      }
+  int digits_;
+  bool fine_, tiles_ = false, block_tiles_ = false;
+  int tile_rows_ = 8;
+  std::vector<Part> parts_;
+  Activations acts_[4];
+};
+
+}  // namespace
+
+// y = x [W_0; W_1; ...]^T as cpu_quant.cpp's linear_quant (which checked the arguments) on the integer kernels
+// (IntegerCall says how); y float32 if float_output, else bf16. Runs only where quant_vnni_available().
+at::Tensor linear_quant_vnni(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                const std::vector<int64_t>& types, int digits, bool fine, bool float_output) {
+  const IntegerCall call(x, weights, types, digits, fine);
+  auto y = at::empty({call.M, call.N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
+  if (call.M == 0) return y;
   auto run = [&](auto* yp) {
-    at::parallel_for(0, total_groups, 4, [&](int64_t begin, int64_t end) {
-      int64_t base = 0;
-      for (const Part& part : parts) {
-        const int64_t lo = std::max(begin, base), hi = std::min(end, base + part.groups);
-        if (lo < hi)
-          dispatch(part.type, [&](auto q) {
-            using Q = decltype(q);
-            const Activations& a = acts[part.variant];
-            auto* yq = yp + part.column;
-            if (Q::kSubs > 1 ? tiles : block_tiles) {
-              const int64_t g0 = lo - base, g1 = hi - base;
-              if (digits == 1 && tile_rows == 8) amx_kernel<Q, 1, 8>(a, part.w, g0, g1, yq, N);
-              else if (digits == 1) amx_kernel<Q, 1, 16>(a, part.w, g0, g1, yq, N);
-              else if (tile_rows == 8) amx_kernel<Q, 2, 8>(a, part.w, g0, g1, yq, N);
-              else amx_kernel<Q, 2, 16>(a, part.w, g0, g1, yq, N);
-            }
-            else if (fine) groups<Q, 1, true>(a, part.w, lo - base, hi - base, yq, N);
-            else if (digits == 1) groups<Q, 1, false>(a, part.w, lo - base, hi - base, yq, N);
-            else groups<Q, 2, false>(a, part.w, lo - base, hi - base, yq, N);
-          });
-        base += part.groups;
-      }
+    at::parallel_for(0, call.total_groups, 4, [&](int64_t begin, int64_t end) {
+      call.run_groups(begin, end, yp, call.N, 0);
     });
   };
   if (float_output) run(y.data_ptr<float>());
   else run(y.data_ptr<c10::BFloat16>());
   return y;
+}
+
+// cpu_quant.cpp's linear_quant_argmax (which checked the arguments) on the integer kernels: the same logits, bit
+// for bit, never written whole.
+std::tuple<at::Tensor, bool> linear_quant_vnni_argmax(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                                      const std::vector<int64_t>& types, int digits, bool fine,
+                                                      int64_t valid_columns) {
+  const IntegerCall call(x, weights, types, digits, fine);
+  return argmax_by_blocks(call.M, call.total_groups, valid_columns, [&](int64_t g0, int64_t g1, float* y, int64_t ldy) {
+    call.run_groups(g0, g1, y, ldy, g0 * 16);
+  });
 }

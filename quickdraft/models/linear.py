@@ -24,6 +24,7 @@ from quickdraft import kernels
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import quant
 from quickdraft.kernels.quant import QuantizedWeight
+from quickdraft.sampling import argmax_rows
 
 
 class Linear(ABC):
@@ -60,6 +61,12 @@ class Linear(ABC):
     @abstractmethod
     def __call__(self, x: torch.Tensor, float_output: bool = False) -> torch.Tensor:
         """float_output: block weights return float32 (logits; bf16 would make near-ties ties), others as x."""
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's index of the largest of its outputs `self(x, float_output=True)` [...] int64 (the first where
+        they tie; torch's answer for a row holding a NaN): a greedy step's tokens. BlockLinear's kernels give it
+        without writing the logits."""
+        return argmax_rows(self(x, float_output=True).float())
 
     @abstractmethod
     def spec(self) -> tuple:
@@ -238,17 +245,34 @@ class BlockLinear(Linear):
 
     reads_float32 = True
 
+    @staticmethod
+    def _rows(x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] as the kernels read it: contiguous rows [M, K], bf16 or float32."""
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.dtype not in (torch.float32, torch.bfloat16):
+            rows = rows.to(torch.float32)  # what both kernels read
+        return rows.contiguous()
+
     def __call__(self, x: torch.Tensor, float_output: bool = False) -> torch.Tensor:
         """x: bf16 or float32 rows (the AVX-512 kernels quantize either as it is; AVX2's read float32); y in the
         activations' dtype, or float32 if float_output."""
         shape = x.shape
-        rows = x.reshape(-1, shape[-1])
-        if rows.dtype not in (torch.float32, torch.bfloat16):
-            rows = rows.to(torch.float32)  # what both kernels read
-        y = self._quant.linear_quant(rows.contiguous(), self._packed, self._types, float_output, self.quant_kernel)
+        y = self._quant.linear_quant(self._rows(x), self._packed, self._types, float_output, self.quant_kernel)
         y = self._trim(y).reshape(*shape[:-1], -1)
         y = y if float_output else y.to(self.dtype)
         return y if self.bias is None else y + self.bias
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """On the AVX-512 kernels without a bias, their linear_quant_argmax: the logits computed a block of columns
+        at a time into a scratch that stays in cache, never written whole (at 64 rows SmolLM2's are 12.6 MB, which
+        the head's streamed weights evict before an argmax reads them), the same bits. Elsewhere, and where a row
+        holds a NaN, the logits and their argmax."""
+        fused = getattr(self._quant, "linear_quant_argmax", None)  # AVX2's module has none
+        if fused is None or self.bias is not None:
+            return super().argmax(x)
+        shape = x.shape
+        index, has_nan = fused(self._rows(x), self._packed, self._types, self.quant_kernel, self.out_features)
+        return super().argmax(x) if has_nan else index.reshape(shape[:-1])
 
     def spec(self) -> tuple:
         return torch.empty(0), None, self.bias, self.out_features, self._packed, self._types, self.quant_kernel

@@ -18,13 +18,14 @@ class SequenceCache:
         self.kv = self._new_kv()
         self._token_ids: list[int] = []
         self._pending: list[torch.Tensor] = []  # device tensors appended but not yet read back to the host
+        self._num_pending = 0  # their tokens (len() is asked several times a step of every cache)
 
     def _new_kv(self):
         """The structure that holds the keys and values (transformers' cache here; subclasses keep their own)."""
         return DynamicCache()
 
     def __len__(self) -> int:
-        return len(self._token_ids) + sum(int(t.numel()) for t in self._pending)
+        return len(self._token_ids) + self._num_pending
 
     @property
     def nbytes(self) -> int:
@@ -38,14 +39,19 @@ class SequenceCache:
             pending = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending)
             self._token_ids.extend(pending.tolist())
             self._pending.clear()
+            self._num_pending = 0
         return self._token_ids
 
     def record(self, tokens: torch.Tensor) -> None:
         """Note tokens whose keys and values the model just appended (kept on the device until needed)."""
-        self._pending.append(tokens.reshape(-1))
+        tokens = tokens.reshape(-1)
+        self._pending.append(tokens)
+        self._num_pending += tokens.shape[0]
 
     def rollback(self, length: int) -> None:
         """Forget every position >= length."""
+        if length == len(self):  # nothing to drop (a plain step's, or an all-accepted chain's): no read of the ids
+            return
         ids = self.token_ids
         if length < 0 or length > len(ids):
             raise ValueError(f"cannot roll back a cache of {len(ids)} positions to {length}")

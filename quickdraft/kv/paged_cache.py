@@ -60,6 +60,7 @@ class PagedSequenceCache(SequenceCache):
         self.pool.free(self.seq)
         self._token_ids = []
         self._pending = []
+        self._num_pending = 0
 
     def load_prefix(self, token_ids: list[int]) -> int:
         """Point the empty cache's table at the kept blocks of token_ids' longest kept prefix (no copy); returns the

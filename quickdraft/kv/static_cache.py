@@ -103,6 +103,7 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
         self.keys = self.values = None
         self._token_ids = []
         self._pending = []
+        self._num_pending = 0
         self.block_digests = []
 
     def block(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

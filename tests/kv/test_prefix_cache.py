@@ -104,6 +104,26 @@ def test_rolled_back_blocks_are_not_kept_and_eviction_takes_tails_first():
     assert prefix.load(runner.new_cache(), b) == 32
 
 
+def test_a_cleared_prefix_cache_refills_its_slabs():
+    """clear drops every kept block but keeps the slabs (memory already mapped): blocks stored after it take the
+    same slabs, and are found again."""
+    runner = native_runner(tiny_llama(seed=0), "tiny")
+    prefix = PrefixCache(runner)
+    a, b = _tokens(40, seed=6, vocab=32), _tokens(40, seed=7, vocab=32)
+    cache = runner.new_cache()
+    runner.forward(cache, torch.tensor(a))
+    prefix.store(cache)
+    slabs = [keys.data_ptr() for keys, _ in prefix._slabs]
+    prefix.clear()
+    assert len(prefix) == 0 and prefix.load(runner.new_cache(), a) == 0
+    other = runner.new_cache()
+    runner.forward(other, torch.tensor(b))
+    prefix.store(other)
+    assert [keys.data_ptr() for keys, _ in prefix._slabs] == slabs
+    loaded = runner.new_cache()
+    assert prefix.load(loaded, b) == 32 and loaded.token_ids == b[:32]
+
+
 def test_kept_blocks_take_free_pool_bytes_and_are_reclaimed_before_a_grant_fails():
     runner = native_runner(tiny_llama(seed=0), "tiny")
     block_bytes = 16 * runner.num_layers * runner.num_kv_heads * runner.head_dim * 2 * 4

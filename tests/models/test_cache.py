@@ -49,6 +49,25 @@ def test_sync_rolls_back_to_common_prefix():
         cache.rollback(7)
 
 
+def test_lengths_count_tokens_not_read_back_and_a_rollback_to_the_length_reads_nothing():
+    """record keeps a forward's tokens on the device until they are read (token_ids); len counts them, and a
+    rollback to the cache's own length (a plain step's) changes nothing and leaves them unread."""
+    from quickdraft.cache import SequenceCache
+
+    cache = SequenceCache()
+    cache.record(torch.tensor([4, 5, 6]))
+    cache.record(torch.tensor([[7]]))
+    assert len(cache) == 4
+    cache.rollback(4)
+    assert len(cache._pending) == 2  # not read back
+    assert cache.token_ids == [4, 5, 6, 7] and len(cache) == 4 and not cache._pending
+    cache.record(torch.tensor([8, 9]))
+    cache.rollback(5)
+    assert cache.token_ids == [4, 5, 6, 7, 8] and len(cache) == 5
+    with pytest.raises(ValueError):
+        cache.rollback(6)
+
+
 @pytest.mark.slow
 def test_packaged_smollm2(smollm2):
     _check_random_appends_and_rollbacks(smollm2.target, smollm2.target.vocab_size, steps=8, seed=0, atol=2e-3)

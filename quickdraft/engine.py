@@ -48,6 +48,14 @@ def _history(seq: Sequence) -> list[int]:
     return seq.token_ids
 
 
+def _verified_by_argmax(seq: Sequence) -> bool:
+    """Whether the sequence's rows are verified by their argmax alone: greedy, with nothing that processes or
+    reads its logits (grammar, logit bias, penalties, logprobs)."""
+    params = seq.params
+    return params.greedy and seq.grammar is None and seq.penalties is None and not params.logit_bias and \
+        params.logprobs is None
+
+
 class Engine:
     """Speculative decoding of sequences with one target runner and one proposer."""
 
@@ -71,6 +79,7 @@ class Engine:
                                   "drop speculative_config['tree'] or the relaxed acceptance")
         self.policy = SpeculationPolicy(proposer, num_speculative_tokens, adaptive_k, self.tree, self.max_len)
         self._penalty_table: sampling.PenaltyTable | None = None  # the rows of every sequence with penalties
+        self._no_drafts = Proposal.empty(target.device)  # every sequence's proposal in a plain step
 
     @property
     def adaptive_k(self) -> bool:
@@ -201,34 +210,44 @@ class Engine:
             # grammar-constrained sequences (policy.tree_budgets).
             drafts = [draft[:seq.grammar.valid_prefix(seq.output_ids, draft.tolist())]
                       if seq.grammar is not None and draft.numel() else draft for seq, draft in zip(seqs, drafts)]
+            batch = StepBatch.build(drafts, [proposal.probs for proposal in proposals],
+                                    [proposal.tree for proposal in proposals])
         else:  # a plain step: every proposal is the same empty one
             drafts = [proposals[0].tokens] * len(seqs)
-        batch = StepBatch.build(drafts, [proposal.probs for proposal in proposals],
-                                [proposal.tree for proposal in proposals])
+            batch = StepBatch.plain(len(seqs), proposals[0].tokens)
         ks = batch.num_draft_tokens
         draft_forwards = proposer.forwards - forwards_before
         t1 = time.perf_counter()
 
         caches, feeds, histories = self._feeds(seqs, drafts)
         trees = batch.trees
-        tree_kwargs = {"trees": [None if tree is None else TreeAttention.of_tree(length, tree.parent_list)
+        forward_kwargs = {"trees": [None if tree is None else TreeAttention.of_tree(length, tree.parent_list)
                                  for tree, length in zip(trees, histories)]} if any(t is not None for t in trees) else {}
         # A sequence that asked for prompt_logprobs scores every prompt row in its first forward (its feed is
         # the whole prompt then: the scheduler loads no cached prefix for it).
         prompt_rows = [int(feed.numel()) - 1 if seq.wants_prompt_logprobs and k == 0 else 0
                        for seq, feed, k in zip(seqs, feeds, ks)]
         num_logits = [k + 1 + extra for k, extra in zip(ks, prompt_rows)]
+        # Where every row is verified by its argmax (no sampling, nothing that processes or reads logits), the
+        # runner gives the argmax alone, which it may compute without writing the [rows, V] logits.
+        argmax_only = self.relaxed_threshold is None and not any(prompt_rows) and all(map(_verified_by_argmax, seqs))
+        if argmax_only:
+            forward_kwargs["argmax_only"] = True
         hidden = None
         if proposer.uses_target_features:  # the same forward also gives every row's final hidden state
-            logits, hidden = self.target.forward_batch(caches, feeds, num_logits, return_hidden=True, **tree_kwargs)
-        else:
-            logits = self.target.forward_batch(caches, feeds, num_logits, **tree_kwargs)  # [sum(num_logits), V]
+            logits, hidden = self.target.forward_batch(caches, feeds, num_logits, return_hidden=True, **forward_kwargs)
+        else:  # [sum(num_logits), V], or argmax_only [sum(num_logits)]
+            logits = self.target.forward_batch(caches, feeds, num_logits, **forward_kwargs)
         if any(prompt_rows):
             logits = self._record_prompt_logprobs(seqs, feeds, histories, logits, num_logits, prompt_rows)
         t2 = time.perf_counter()
 
-        processed = process_rows(seqs, logits, batch)  # [num_rows, V]: logits (greedy) or probabilities
-        verdicts = verify_batch(seqs, processed, batch, self.relaxed_threshold).to_host()  # the one host read
+        if argmax_only:
+            verdict = verify_batch(seqs, None, batch, target=logits)
+        else:
+            processed = process_rows(seqs, logits, batch)  # [num_rows, V]: logits (greedy) or probabilities
+            verdict = verify_batch(seqs, processed, batch, self.relaxed_threshold)
+        verdicts = verdict.to_host()  # the step's one host read
         t3 = time.perf_counter()
         if any(seq.params.logprobs is not None for seq in seqs):
             step_logprobs = self._output_logprobs(seqs, logits, batch, verdicts)
@@ -325,8 +344,7 @@ class Engine:
         chains (propose_batch) for the others. Nothing is asked where no sequence drafts."""
         proposer = self.proposer
         if not any(ks):
-            empty = Proposal.empty(self.device)
-            return [empty] * len(seqs)
+            return [self._no_drafts] * len(seqs)
         if self.tree is None or not proposer.proposes_trees:
             return proposer.propose_batch(seqs, ks)
         budgets = self.policy.tree_budgets(seqs, ks, kinds)

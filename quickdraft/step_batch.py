@@ -71,6 +71,14 @@ class StepBatch:
             trees=trees,
         )
 
+    @staticmethod
+    def plain(batch_size: int, empty: torch.Tensor) -> "StepBatch":
+        """A step with no drafts (plain decoding): one row a sequence. empty: a long tensor of no tokens, on the
+        device the drafts would be."""
+        return StepBatch(draft_token_ids=empty, num_draft_tokens=[0] * batch_size,
+                         cu_num_draft_tokens=[0] * (batch_size + 1), cu_num_rows=list(range(batch_size + 1)),
+                         draft_probs=[None] * batch_size, trees=[None] * batch_size)
+
     @property
     def batch_size(self) -> int:
         return len(self.num_draft_tokens)

@@ -352,3 +352,30 @@ def test_relaxed_acceptance_of_a_seeded_model_draft_tests_against_its_q(method, 
     assert seen and all(q is not None for q in seen)
     for q in seen:  # [1, k, V]: distributions, not one-hot rows
         assert torch.allclose(q.sum(-1), torch.ones_like(q.sum(-1)), atol=1e-4) and (q < 1 - 1e-6).all()
+
+
+def test_greedy_steps_ask_the_target_for_its_argmax_alone_and_others_for_logits():
+    """A step whose every sequence is greedy with nothing to process asks forward_batch for the argmax alone (the
+    CPU kernels then write no logits); a step with a sequence that samples, asks for logprobs or is penalised asks
+    for the logits. The texts are plain greedy decoding's either way."""
+    llm = LLM(tiny_llama(seed=0), dtype="float32", speculative_config=_methods(None)["ngram"])
+    asked = []
+    forward_batch = llm.target.forward_batch
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("argmax_only", False))
+        return forward_batch(*args, **kwargs)
+
+    llm.target.forward_batch = spy
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    expected = _reference_greedy(tiny_llama(seed=0), PROMPT, 12)
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * 2, greedy)
+    assert [out.outputs[0].token_ids for out in outs] == [expected] * 2
+    assert asked and all(asked)
+    for other in (SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+                  SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.2),
+                  SamplingParams(temperature=0.8, max_tokens=12, seed=3)):
+        asked.clear()
+        outs = llm.generate([{"prompt_token_ids": PROMPT}] * 2, [greedy, other])
+        assert outs[0].outputs[0].token_ids == expected
+        assert asked and not any(asked)

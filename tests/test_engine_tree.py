@@ -298,9 +298,9 @@ def test_auto_trees_keep_their_chain_and_the_chosen_nodes_and_stay_exact(runner,
     verified = []
     original = verification.verify_batch
 
-    def spy(seqs, processed, batch, relaxed_threshold=None):
+    def spy(seqs, processed, batch, relaxed_threshold=None, target=None):
         verified.extend(tree for tree in batch.trees if tree is not None)
-        return original(seqs, processed, batch, relaxed_threshold)
+        return original(seqs, processed, batch, relaxed_threshold, target)
 
     monkeypatch.setattr(engine_module, "verify_batch", spy)
     _run_batch(engine, [seq])

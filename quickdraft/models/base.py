@@ -139,8 +139,11 @@ class Runner(Protocol):
 
     def forward_batch(self, caches: list[SequenceCache], tokens: list[torch.Tensor],
                       num_logits: list[int], return_hidden: bool = False,
-                      trees: list[TreeAttention | None] | None = None):
+                      trees: list[TreeAttention | None] | None = None, argmax_only: bool = False):
         """Several sequences in one step; their logits concatenated in order, [sum(num_logits), V]. With
+        argmax_only, each of those rows' argmax instead, [sum(num_logits)] int64 (the first index of the maximum,
+        as logits.argmax(-1)): all a step verified greedily with nothing to process reads, which a runner may
+        compute without writing the logits (the CPU kernels' output layer keeps them in cache). With
         return_hidden, (logits, hidden): every input row's last hidden state after the final norm (the output
         layer's input; what an EAGLE head reads), [sum(n_i), hidden], at no extra forward.
         trees: per sequence None (causal rows) or a TreeAttention whose end is len(cache) + n_i: its rows are
@@ -152,6 +155,10 @@ class Runner(Protocol):
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [n, hidden] (forward_batch's return_hidden) -> float32 logits [n, V]."""
+
+    def output_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [n, hidden] -> each row's argmax of output_logits [n] int64 (the first index of the
+        maximum; logits.argmax(-1) where a row holds a NaN)."""
 
     def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the output layer's weight, float32 on the CPU [len(ids), hidden]."""

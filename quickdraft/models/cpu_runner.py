@@ -99,13 +99,14 @@ class CpuKernelRunner(DecoderRunner):
         return self.forward_batch([cache], [tokens], [num_logits], use_decoder=use_decoder)
 
     def forward_batch(self, caches, tokens, num_logits, inputs_embeds=None, return_hidden=False, trees=None,
-                      use_decoder: bool = True):
+                      argmax_only: bool = False, use_decoder: bool = True):
         """DecoderRunner.forward_batch. Every row is computed alike whatever the other rows, so each sequence's
         logits and cache are bitwise those of `forward` on it alone (int8 linear layers: while the batch has fewer
         than 32 rows, see kernels/cpu_linear.cpp); a tree node's logits and keys are bitwise those of its path's
         tokens fed in a line."""
         layers = self._cpp_layers if use_decoder and self.decoder() is not None else self._layers
-        return self._eager_forward_batch(caches, tokens, num_logits, inputs_embeds, return_hidden, trees, layers)
+        return self._eager_forward_batch(caches, tokens, num_logits, inputs_embeds, return_hidden, trees, layers,
+                                         argmax_only)
 
     def _cpp_layers(self, x, caches, starts, counts, trees) -> torch.Tensor:
         decoder, kinds = self.decoder()

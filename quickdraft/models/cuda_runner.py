@@ -43,6 +43,7 @@ from quickdraft.models.decoder import DecoderRunner
 from quickdraft.models.paged_attention import (PagedStep, compiled_flex_attention, flex_paged_attention,
                                                paged_attention, write_kv)
 from quickdraft.models.weights import DecoderWeights, Layer
+from quickdraft.sampling import argmax_rows
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +190,9 @@ class CudaRunner(DecoderRunner):
     # --- the forward ---
     def forward_batch(self, caches: list[PagedSequenceCache], tokens: list[torch.Tensor], num_logits: list[int],
                       inputs_embeds: list[torch.Tensor] | None = None, return_hidden: bool = False,
-                      trees=None):
-        """DecoderRunner.forward_batch on the paged path (module docstring)."""
+                      trees=None, argmax_only: bool = False):
+        """DecoderRunner.forward_batch on the paged path (module docstring); argmax_only takes the argmax of the
+        graph's logits on the device."""
         with torch.inference_mode():
             flat, trees = self._checked(caches, tokens, num_logits, inputs_embeds, trees)
             pool = self.kv_pool
@@ -217,6 +219,8 @@ class CudaRunner(DecoderRunner):
             real = sum(step.counts)
             logits = logits[:sum(wanted)].clone() if logits is not None and sum(wanted) else \
                 torch.zeros((0, self.vocab_size), dtype=torch.float32, device=self.device)
+            if argmax_only:
+                logits = argmax_rows(logits)
             return (logits, hidden[:real].clone()) if return_hidden else logits
 
     @staticmethod

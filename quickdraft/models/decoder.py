@@ -22,6 +22,7 @@ from quickdraft.models.base import TreeAttention, check_batch, check_trees
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.gguf_weights import QuantizedWeights
 from quickdraft.models.weights import DecoderWeights, Layer
+from quickdraft.sampling import argmax_rows
 
 # attend(index, layer, qkv [rows, (Hq + 2 Hkv) d]) -> [rows, Hq d]: a runner's rope, cache write and attention.
 Attend = Callable[[int, Layer, torch.Tensor], torch.Tensor]
@@ -127,6 +128,13 @@ class DecoderRunner:
             logits = torch.tanh(logits / softcap) * softcap
         return logits
 
+    def output_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax of output_logits [n]: the output layer's own (Linear.argmax, on the CPU kernels'
+        blocks without writing the logits) where no softcap follows it (tanh may make near-ties ties)."""
+        if self.weights.final_softcap is not None:
+            return argmax_rows(self.output_logits(hidden))
+        return self.weights.lm_head.argmax(hidden.contiguous())
+
     def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weights.lm_head.rows(ids)
 
@@ -140,7 +148,7 @@ class DecoderRunner:
 
     def forward_batch(self, caches: list[StaticSequenceCache], tokens: list[torch.Tensor], num_logits: list[int],
                       inputs_embeds: list[torch.Tensor] | None = None, return_hidden: bool = False,
-                      trees: list[TreeAttention | None] | None = None):
+                      trees: list[TreeAttention | None] | None = None, argmax_only: bool = False):
         """One forward over several sequences (continuous batching): sequence i appends tokens[i] [n_i]
         (n_i >= 1) at positions len(caches[i]).., and the result is the float32 logits of the last
         num_logits[i] (0..n_i) inputs of each sequence, concatenated in order: [sum(num_logits), V].
@@ -154,9 +162,10 @@ class DecoderRunner:
         return_hidden: also return every input row's final hidden state after the final norm (what the output
         layer reads; EAGLE's features), [sum(n_i), hidden] in the model's dtype: (logits, hidden).
         trees: per sequence None or a TreeAttention ending at len(cache) + n_i (models/base.py): its tree rows sit
-        at positions by depth and attend the prefix and their ancestors."""
+        at positions by depth and attend the prefix and their ancestors.
+        argmax_only: each of those rows' argmax [sum(num_logits)] int64 instead of the logits (output_argmax)."""
         return self._eager_forward_batch(caches, tokens, num_logits, inputs_embeds, return_hidden, trees,
-                                         self._layers)
+                                         self._layers, argmax_only)
 
     def _layers(self, x: torch.Tensor, caches: list[StaticSequenceCache], starts: list[int], counts: list[int],
                 trees: list[TreeAttention | None] | None) -> torch.Tensor:
@@ -177,7 +186,8 @@ class DecoderRunner:
 
     @torch.inference_mode()
     def _eager_forward_batch(self, caches, tokens, num_logits, inputs_embeds, return_hidden, trees,
-                             layers: Callable) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                             layers: Callable, argmax_only: bool = False
+                             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """forward_batch with the layers run by `layers` (a _layers of the runner), shapes as the rows come."""
         flat, trees = self._checked(caches, tokens, num_logits, inputs_embeds, trees)
         counts = [ids.shape[0] for ids in flat]
@@ -207,11 +217,13 @@ class DecoderRunner:
                 bounds.append(bounds[-1] + count)
             rows = torch.cat([x[hi - int(k):hi] for hi, k in zip(bounds[1:], num_logits)])
         if rows.shape[0] == 0:
-            logits = torch.zeros((0, self.vocab_size), dtype=torch.float32, device=self.device)
+            logits = torch.zeros((0,) if argmax_only else (0, self.vocab_size),
+                                 dtype=torch.long if argmax_only else torch.float32, device=self.device)
             return (logits, hidden) if return_hidden else logits
         if hidden is None:
             rows = self._final_norm(rows)
-        logits = self.output_logits(rows)  # [sum(num_logits), vocab]
+        # [sum(num_logits), vocab], or [sum(num_logits)]
+        logits = self.output_argmax(rows) if argmax_only else self.output_logits(rows)
         return (logits, hidden) if return_hidden else logits
 
     def _input_rows(self, ids: torch.Tensor) -> torch.Tensor:

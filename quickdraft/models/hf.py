@@ -19,6 +19,7 @@ from quickdraft.models.base import TreeAttention, check_batch, check_tree, check
 from quickdraft.models.config import get_text_config
 from quickdraft.models.families import FAMILIES, sliding_window
 from quickdraft.models.tree_mask import tree_positions, tree_visibility
+from quickdraft.sampling import argmax_rows
 
 
 class HFRunner:
@@ -104,6 +105,9 @@ class HFRunner:
         cap = getattr(self.text_config, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 
+    def output_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        return argmax_rows(self.output_logits(hidden))
+
     def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings().weight.detach()[ids.to(self.device)].float().cpu()
 
@@ -149,7 +153,7 @@ class HFRunner:
 
     def forward_batch(self, caches: list[SequenceCache], tokens: list[torch.Tensor],
                       num_logits: list[int], return_hidden: bool = False,
-                      trees: list[TreeAttention | None] | None = None):
+                      trees: list[TreeAttention | None] | None = None, argmax_only: bool = False):
         """forward over several sequences, as the native runners' forward_batch: sequence i appends tokens[i] [n_i]
         and gives the logits of its last num_logits[i] inputs; returns them concatenated in order,
         [sum(num_logits), V] float32 (with return_hidden, and every row's final hidden state [sum(n_i), hidden]).
@@ -165,6 +169,8 @@ class HFRunner:
             if return_hidden:
                 hiddens.append(out[1])
         logits = torch.cat(parts)  # [sum(num_logits), vocab]
+        if argmax_only:  # [sum(num_logits)]
+            logits = argmax_rows(logits)
         return (logits, torch.cat(hiddens)) if return_hidden else logits
 
     # --- token trees: a 4-D mask and positions, through the model's own attention ---

@@ -23,6 +23,7 @@ host transfer (StepVerdict.to_host).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -33,10 +34,10 @@ from quickdraft.step_batch import StepBatch
 __all__ = ["StepVerdict", "Verdict", "process_rows", "verify_batch"]
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(NamedTuple):
     """One sequence's verification, on the host: the drafts it accepted (a chain's first ones, a tree's path:
-    their indices among its drafts), then the target's token after them."""
+    their indices among its drafts), then the target's token after them. (A tuple: one is made for every sequence
+    of every step.)"""
 
     num_accepted: int
     tokens: list[int]  # [num_accepted + 1]: the accepted drafts, then the target's token
@@ -49,25 +50,27 @@ class StepVerdict:
     tree depth + 1): each row's accepted drafts then the target's token, -1 after; nodes [B, W - 1]: the accepted
     tree nodes in path order, -1 after (None when the step has no tree)."""
 
-    num_accepted: torch.Tensor
+    num_accepted: torch.Tensor | None  # None: a plain step's (no drafts; every count 0)
     tokens: torch.Tensor
     nodes: torch.Tensor | None
 
     def to_host(self) -> list[Verdict]:
         """The verdicts on the host, in the step's one device-to-host transfer."""
+        if self.num_accepted is None:
+            return [Verdict(0, [token], []) for token in self.tokens.reshape(-1).tolist()]
         batch, width = self.tokens.shape
         parts = [self.num_accepted, self.tokens.reshape(-1)]
         if self.nodes is not None:
             parts.append(self.nodes.reshape(-1))
         values = torch.cat(parts).tolist()
+        if self.nodes is None:  # chains: a chain's accepted drafts are its first ones
+            return [Verdict(n, values[row: row + n + 1], list(range(n)))
+                    for n, row in zip(values[:batch], range(batch, batch + batch * width, width))]
         out = []
         for i, n in enumerate(values[:batch]):
             row = batch + i * width
-            if self.nodes is None:
-                nodes = list(range(n))
-            else:
-                first = batch + batch * width + i * (width - 1)
-                nodes = values[first: first + n] if n and values[first] >= 0 else list(range(n))
+            first = batch + batch * width + i * (width - 1)
+            nodes = values[first: first + n] if n and values[first] >= 0 else list(range(n))
             out.append(Verdict(n, values[row: row + n + 1], nodes))
         return out
 
@@ -249,17 +252,23 @@ def _tree_rejection_sampled(seq: Sequence, batch: StepBatch, processed: torch.Te
     return verify_tree.tree_rejection_sample(tree, processed[lo:hi], batch.draft_probs[i], seq.generator)
 
 
-def verify_batch(seqs: list[Sequence], processed: torch.Tensor, batch: StepBatch,
-                 relaxed_threshold: float | None = None) -> StepVerdict:
+def verify_batch(seqs: list[Sequence], processed: torch.Tensor | None, batch: StepBatch,
+                 relaxed_threshold: float | None = None, target: torch.Tensor | None = None) -> StepVerdict:
     """Every sequence of the step verified by the rule of its kind (the module docstring), as tensors.
 
     processed: [num_rows, V], process_rows' output. relaxed_threshold: the LOSSY relaxed acceptance's (chains
-    only), None (exact) by default."""
-    device = processed.device
+    only), None (exact) by default. target: [num_rows] each row's argmax where the runner gave it in place of the
+    logits (Runner.forward_batch's argmax_only: every sequence greedy with nothing to process); processed is then
+    None."""
+    greedy = all(seq.params.greedy for seq in seqs)
+    if target is None:
+        target = sampling.argmax_rows(processed)  # the target's own token at every greedy row
+    elif processed is not None or not greedy:
+        raise ValueError("verify_batch: the target's argmax alone verifies greedy sequences only, with no logits")
+    device = target.device
     size = batch.batch_size
-    if batch.num_rows == size and all(seq.params.greedy for seq in seqs):  # plain greedy decoding: the argmax
-        return StepVerdict(torch.zeros(size, dtype=torch.long, device=device),
-                           sampling.argmax_rows(processed)[:, None], None)
+    if batch.num_rows == size and greedy:  # plain greedy decoding: the argmax
+        return StepVerdict(None, target[:, None], None)
     trees = batch.trees
     matched = [seq.params.greedy or seq.noise_key is not None for seq in seqs]
     chains = [i for i in range(size) if trees[i] is None]
@@ -268,7 +277,6 @@ def verify_batch(seqs: list[Sequence], processed: torch.Tensor, batch: StepBatch
                                  batch.draft_token_ids.numel())
     # The target's own token at every row (greedy: argmax; seeded: its noise-keyed draws). Rows of rejection-
     # sampled sequences take part in the argmax and greedy_accept, but their results are replaced below.
-    target = sampling.argmax_rows(processed)
     seeded = [i for i, seq in enumerate(seqs) if matched[i] and not seq.params.greedy]
     if seeded:
         target = _seeded_draws(seqs, batch, processed, seeded, target)
@@ -305,7 +313,7 @@ def _verify_trees(seqs: list[Sequence], batch: StepBatch, processed: torch.Tenso
     """The step's token trees: greedy and seeded ones matched together over their flattened nodes, sampled ones
     one by one; each accepted path's tokens written into `tokens` (flat [B * width + 1], by depth) and its node
     indices into the returned nodes [B, width - 1]. Returns (num_accepted, next_token, nodes)."""
-    device = processed.device
+    device = target.device
     size = batch.batch_size
     tree_rows = [i for i in range(size) if batch.trees[i] is not None]
     accepted_parts, owners = [], []

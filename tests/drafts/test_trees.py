@@ -242,7 +242,7 @@ class _TokenRunner:
     def row_logits(self, visible_tokens: list[int]) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward_batch(self, caches, tokens, num_logits, return_hidden=False, trees=None):
+    def forward_batch(self, caches, tokens, num_logits, return_hidden=False, trees=None, argmax_only=False):
         self.calls.append(([len(c) for c in caches], [t.tolist() for t in tokens], list(num_logits), trees))
         rows = []
         for index, (cache, feed, count) in enumerate(zip(caches, tokens, num_logits)):
@@ -256,7 +256,7 @@ class _TokenRunner:
                 visible = tree.visible(slot) if tree is not None else list(range(slot + 1))
                 assert visible[-1] == slot
                 rows.append(self.row_logits([ids[s] for s in visible]))
-        return torch.stack(rows)
+        return torch.stack(rows).argmax(-1) if argmax_only else torch.stack(rows)
 
 
 class _StubRunner(_TokenRunner):

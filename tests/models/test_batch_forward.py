@@ -15,6 +15,7 @@ from quickdraft.models.hf import HFRunner
 from quickdraft.models.cuda_runner import CudaRunner
 from quickdraft.models.factory import native_runner
 from quickdraft.models.torch_runner import TorchRunner
+from quickdraft.sampling import argmax_rows
 
 needs_kernels = pytest.mark.skipif(cpu_linear() is None, reason="quickdraft's CPU kernels need AVX512-BF16")
 BUILDS = {"llama16": tiny_llama16, "gemma16": tiny_gemma16, "qwen2": tiny_qwen2}  # gemma16: sliding window 4
@@ -157,6 +158,42 @@ def test_linear_layers_take_every_row_of_the_batch_at_once():
     # One call per layer over all 13 rows; the output head only on the 7 rows whose logits are wanted.
     assert seen == {"qkv": [13], "gate_up": [13], "lm_head": [7]}
     assert [len(c) for c in caches] == [7, 1, 5]
+
+
+def _argmax_runner(kind: str):
+    if kind == "hf":
+        return HFRunner(tiny_llama())
+    if kind in ("torch", "static"):
+        runner = native_runner(tiny_llama())
+        return runner if kind == "torch" else CudaRunner(runner.weights)
+    runner = native_runner(tiny_gemma16().to(torch.bfloat16))  # the CPU kernels
+    return {"kernels": runner, "q4": runner.quantized("q4"), "int8": runner.quantized("int8"),
+            "vocab": runner.quantized("q4").with_vocabulary(21)}[kind]
+
+
+@pytest.mark.parametrize("kind", ["kernels", "q4", "int8", "vocab", "torch", "static", "hf"])
+def test_argmax_only_is_the_argmax_of_the_logits_and_caches_the_same(kind):
+    """forward_batch(argmax_only=True) (what a step verified greedily asks for; the CPU kernels' output layer gives
+    it without writing the logits) returns argmax_rows of the logits the same call gives, and fills the caches
+    alike, step after step with rollbacks."""
+    if kind in ("kernels", "q4", "int8", "vocab") and cpu_linear() is None:
+        pytest.skip("quickdraft's CPU kernels need AVX512-BF16")
+    runner = _argmax_runner(kind)
+    steps = INT8_STEPS if kind == "int8" else DENSE_STEPS
+    count = 1 + max(i for _, feeds in steps for i, _, _ in feeds)
+    greedy, full = [runner.new_cache() for _ in range(count)], [runner.new_cache() for _ in range(count)]
+    generator = torch.Generator().manual_seed(1)
+    for rollbacks, feeds in steps:
+        for i, dropped in rollbacks.items():
+            for caches in (greedy, full):
+                caches[i].rollback(len(caches[i]) - dropped)
+        tokens = [torch.randint(0, runner.vocab_size, (n,), generator=generator) for _, n, _ in feeds]
+        wanted = [k for _, _, k in feeds]
+        argmax = runner.forward_batch([greedy[i] for i, _, _ in feeds], tokens, wanted, argmax_only=True)
+        logits = runner.forward_batch([full[i] for i, _, _ in feeds], tokens, wanted)
+        assert argmax.dtype == torch.long and argmax.shape == (sum(wanted),)
+        assert torch.equal(argmax, argmax_rows(logits))
+        assert [c.token_ids for c in greedy] == [c.token_ids for c in full]
 
 
 def test_hf_runner_batch_is_its_forward_per_sequence():

@@ -117,6 +117,29 @@ def test_greedy_trees_over_flattened_nodes_equal_each_tree_alone(seed):
         assert verdict.tokens == [int(tree.tokens[j]) for j in path] + [int(alone.next_token)]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_targets_argmax_alone_verifies_greedy_chains_and_trees_as_their_logits_do(seed):
+    """verify_batch(target=argmax) (the runner gave each row's argmax instead of the logits) gives the verdicts the
+    logits give, for plain rows, chains and trees together; and it refuses sampled sequences or logits beside."""
+    gen = torch.Generator().manual_seed(seed)
+    trees = [None, _tree([3, 4, 1, 5, 9], [-1, -1, 0, 0, 2]), None, None]
+    drafts = [[], trees[1].tokens.tolist(), [5, 9, 2], [1]]
+    batch = _batch(drafts, trees=trees)
+    logits = torch.randn(batch.num_rows, V, generator=gen)
+    for i in (1, 2):  # lead a few rows to their drafts
+        lo = batch.rows(i)[0]
+        logits[lo, drafts[i][0]] = logits[lo + 1, drafts[i][1]] = 40.0
+    seqs = [_seq(SamplingParams(temperature=0)) for _ in drafts]
+    expected = verify_batch(seqs, process_rows(seqs, logits, batch), batch).to_host()
+    assert verify_batch(seqs, None, batch, target=logits.argmax(-1)).to_host() == expected
+    plain = _batch([[]] * 3)
+    rows = torch.randn(3, V, generator=gen)
+    assert verify_batch(seqs[:3], None, plain, target=rows.argmax(-1)).to_host() == \
+        verify_batch(seqs[:3], rows, plain).to_host()
+    with pytest.raises(ValueError, match="greedy"):
+        verify_batch([_seq(SamplingParams(temperature=0.8))] + seqs[1:], None, batch, target=logits.argmax(-1))
+
+
 def test_match_trees_is_each_trees_match():
     gen = torch.Generator().manual_seed(7)
     trees = [_tree([1, 2, 3, 4], [-1, 0, 0, 2]), _tree([5, 5, 6], [-1, 0, -1])]

@@ -250,6 +250,12 @@ class AcceptancePrior(_PositionCounts):
             super().update(proposed, accepted)
             self._rates = []
 
+    def rates(self, count: int) -> list[float]:
+        """rate(i) for i < count (the cached list itself: do not change it)."""
+        if len(self._rates) < count:
+            self.rate(count - 1)
+        return self._rates
+
     def rate(self, position: int) -> float:
         # Cached: a batch's choice reads every position of every sequence between two updates.
         while len(self._rates) <= position:
@@ -289,12 +295,20 @@ class AcceptanceStats(_PositionCounts):
         # better than the prior (acceptance by position is about flat or rising once a draft has been right, as
         # for AcceptancePrior): a request accepting every single draft otherwise priced a second one at the
         # prior, drafted one a step for good and never learned its depth (benchmarks/RESULTS.md, session 24).
+        # (Asked for every sequence of a batch every step: the counts and the prior's rates are read as lists.)
         rates: list[float] = []
+        if count <= 0:
+            return rates
+        priors = [PRIOR_ACCEPTANCE] * count if self.prior is None else self.prior.rates(count)
+        accepted, reached, known = self.accepted, self.reached, len(self.reached)
+        last = None
         for i in range(count):
-            accepted, reached = self.counts(i)
-            prior = PRIOR_ACCEPTANCE if self.prior is None else self.prior.rate(i)
-            prior = max(prior, rates[-1]) if rates else prior
-            rates.append((accepted + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT))
+            prior = priors[i] if last is None else max(priors[i], last)
+            if i < known:
+                last = (accepted[i] + prior * PRIOR_WEIGHT) / (reached[i] + PRIOR_WEIGHT)
+            else:
+                last = (0.0 + prior * PRIOR_WEIGHT) / (0.0 + PRIOR_WEIGHT)
+            rates.append(last)
         return rates
 
     def rate(self, position: int) -> float:

@@ -259,9 +259,8 @@ class Engine:
         if policy.adaptive_k:
             policy.record_step(sum(int(feed.numel()) for feed in feeds), ks, timing, draft_forwards,
                                any(proposal.catch_up for proposal in proposals))
-        return [self._commit(seq, batch, i, proposals[i], kinds[i], chosen[i], caches[i], histories[i], feeds[i],
-                             verdicts[i], step_logprobs[i], draft_forwards, timing, len(seqs) == 1)
-                for i, seq in enumerate(seqs)]
+        return self._commit(seqs, batch, proposals, kinds, chosen, caches, histories, feeds, verdicts, step_logprobs,
+                            draft_forwards, timing)
 
     def _feeds(self, seqs: list[Sequence], drafts: list[torch.Tensor]
                ) -> tuple[list, list[torch.Tensor], list[int]]:
@@ -311,32 +310,42 @@ class Engine:
             self.proposer.observe(seq, length - committed, hidden[row:].index_select(0, index))
             row += int(feed.numel())
 
-    def _commit(self, seq: Sequence, batch: StepBatch, i: int, proposal: Proposal, kind: str, chosen: int, cache,
-                length: int, feed: torch.Tensor, verdict: Verdict, logprobs: list[PositionLogprobs] | None,
-                draft_forwards: int, timing: StepTiming, alone: bool) -> list[int]:
-        """Roll sequence i's cache back to what it keeps, count the step, and append its tokens."""
-        tree, k, n, nodes = batch.trees[i], batch.num_draft_tokens[i], verdict.num_accepted, verdict.nodes
-        metrics = seq.metrics
-        if tree is None:
-            cache.rollback(length + n)  # keep the committed drafts, drop the rejected ones
-            metrics.count_proposed(k)
-        else:  # the accepted path's keys move next to the prefix; every other node's are dropped
-            cache.compact(length, [length + j for j in nodes])
-            metrics.count_tree(tree.num_nodes, tree.max_depth, n)
-        metrics.target_forwards += 1
-        metrics.draft_forwards += draft_forwards  # the batch's draft forwards served every sequence in it
-        metrics.draft_time_s += timing.t1 - timing.t0
-        metrics.target_time_s += timing.t2 - timing.t1
-        metrics.verify_time_s += timing.t3 - timing.t2
-        if self.policy.adaptive_k or tree is not None:
-            self.policy.record_sequence(seq, kind, k, chosen, n, proposal, nodes, alone, int(feed.numel()) != k + 1,
-                                        timing, time.perf_counter())
-        # The target's token ends the step as a bonus where nothing was left to verify after the accepted
-        # drafts (all k of a chain; a tree path that ends at a leaf), else as a correction.
-        bonus = n == k if tree is None else not tree.children(nodes[-1] + 1 if nodes else 0)
-        tokens = verdict.tokens
-        seq.cache_mark = (cache, length + n)
-        return seq.commit(tokens[:n], n if bonus else n + 1, tokens[n], self.eos_token_ids, self.max_len, logprobs)
+    def _commit(self, seqs: list[Sequence], batch: StepBatch, proposals: list[Proposal], kinds: list[str],
+                chosen: list[int], caches: list, histories: list[int], feeds: list[torch.Tensor],
+                verdicts: list[Verdict], step_logprobs: list, draft_forwards: int, timing: StepTiming
+                ) -> list[list[int]]:
+        """Roll each sequence's cache back to what it keeps, count the step, and append its tokens; returns the
+        tokens each committed. (One loop over the batch: the step's constants are read once.)"""
+        policy, eos, max_len = self.policy, self.eos_token_ids, self.max_len
+        recording = policy.adaptive_k
+        alone = len(seqs) == 1
+        draft_s, target_s, verify_s = timing.t1 - timing.t0, timing.t2 - timing.t1, timing.t3 - timing.t2
+        out = []
+        for i, seq in enumerate(seqs):
+            tree, k, cache, length = batch.trees[i], batch.num_draft_tokens[i], caches[i], histories[i]
+            n, tokens, nodes = verdicts[i]
+            metrics = seq.metrics
+            if tree is None:
+                cache.rollback(length + n)  # keep the committed drafts, drop the rejected ones
+                if k:
+                    metrics.count_proposed(k)
+                # The target's token ends the step as a bonus where every draft was accepted, else a correction.
+                bonus = n == k
+            else:  # the accepted path's keys move next to the prefix; every other node's are dropped
+                cache.compact(length, [length + j for j in nodes])
+                metrics.count_tree(tree.num_nodes, tree.max_depth, n)
+                bonus = not tree.children(nodes[-1] + 1 if nodes else 0)  # the path ends at a leaf
+            metrics.target_forwards += 1
+            metrics.draft_forwards += draft_forwards  # the batch's draft forwards served every sequence in it
+            metrics.draft_time_s += draft_s
+            metrics.target_time_s += target_s
+            metrics.verify_time_s += verify_s
+            if recording or tree is not None:
+                policy.record_sequence(seq, kinds[i], k, chosen[i], n, proposals[i], nodes, alone,
+                                       int(feeds[i].numel()) != k + 1, timing, time.perf_counter())
+            seq.cache_mark = (cache, length + n)
+            out.append(seq.commit(tokens[:n], n if bonus else n + 1, tokens[n], eos, max_len, step_logprobs[i]))
+        return out
 
     def _propose(self, seqs: list[Sequence], ks: list[int], kinds: list[str]) -> list[Proposal]:
         """The step's proposals: token trees (Proposer.propose_tree_batch) for the sequences that may take one

@@ -118,6 +118,22 @@ class _Curve:
         return max(1e-9, s0 + slope * (x - x0))
 
 
+    def least_slope(self, lo: int, hi: int, prior_slope: float) -> float:
+        """A lower bound of what estimate adds a unit of x over [lo, hi] (its least segment slope there; 0 where
+        unmeasured, or where the 1e-9 floor may flatten it)."""
+        known = self._fitted()
+        if not known or not self.estimate(lo, prior_slope) > 2e-9:  # non-decreasing: above the floor from lo on
+            return 0.0
+        if len(known) == 1:
+            return max(0.0, known[0][1] * prior_slope)
+        least = math.inf
+        last = len(known) - 2
+        for j, ((x0, s0), (x1, s1)) in enumerate(zip(known, known[1:])):
+            # segment j prices x in (x0, x1]; the first one also every x below, the last every x above
+            if (j == last or lo < x1) and (j == 0 or hi > x0):
+                least = min(least, max(0.0, (s1 - s0) / (x1 - x0)))
+        return least
+
     def estimates(self, xs: np.ndarray, prior_slope: float) -> np.ndarray | None:
         """estimate at every x of xs (int array) at once, by the same arithmetic (a batch's choice prices every
         number of rows it may verify)."""
@@ -460,12 +476,26 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
     drafts_unmeasured = model_draft and not costs.draft_forward.points
     if costs.step_seconds(base_rows, 0, 0, model_draft) is None or (drafts_unmeasured and any(caps)):
         return list(caps)
+    # A candidate worth less than what its row costs in plain tokens cannot raise the batch's tokens per second: a
+    # row adds at least `least` seconds (the target's least slope over the rows the candidates may add; drafting
+    # only adds to it), and a set that gains tokens per second keeps gaining without a candidate whose chance is
+    # below least * batch / plain (its tokens per second is below plain decoding's, so adding it lowers any rate
+    # above that). Leaving those out (a margin of 1e-6 over rounding) leaves the choice as it was, to the last
+    # bit, and spares pricing them: at 64 sequences on a CPU a row costs ~0.7 of a token, and most sequences
+    # offer nothing above that.
+    plain = costs.step_seconds(base_rows, 0, 0, model_draft)
+    least = costs.target.least_slope(base_rows, base_rows + sum(caps), PRIOR_COST_SLOPE)
+    floor = least * len(caps) / plain * (1 - 1e-6) if plain > 0 else 0.0
     chances, owners, positions = [], [], []
     for i, (s, cap) in enumerate(zip(stats, caps)):
-        if cap:
-            chances += acceptance_chain(s.rates(cap), cap)
-            owners += [i] * cap
-            positions += range(cap)
+        if cap and (floor <= 0 or s.rates(1)[0] > floor):  # a chain's chances only fall: its first is its best
+            chain = acceptance_chain(s.rates(cap), cap)
+            worth = cap
+            while chain[worth - 1] <= floor:
+                worth -= 1
+            chances += chain[:worth]
+            owners += [i] * worth
+            positions += range(worth)
     chosen = [0] * len(caps)
     if chances and len(chances) <= FEW_CANDIDATES:
         chosen = _best_few(chances, owners, positions, len(caps), base_rows, costs, model_draft)

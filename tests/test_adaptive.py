@@ -615,3 +615,40 @@ def test_a_batch_of_few_candidates_chooses_as_the_numpy_path_does(monkeypatch):
     monkeypatch.setattr(adaptive, "FEW_CANDIDATES", 0)
     many = [choose_batch_k(*case) for case in cases]
     assert few == many and any(map(any, few)) and not all(map(all, few))
+
+
+def test_leaving_out_candidates_below_a_rows_cost_leaves_the_batch_choice_as_it_was(monkeypatch):
+    """choose_batch_k leaves out the draft candidates whose chance is below what their row costs in plain tokens
+    (the target's least slope over the rows they may add, times the batch, over the plain step): the same choices,
+    to the last bit, as pricing every candidate, on random batches and costs where rows are dear and cheap."""
+    import random
+
+    from quickdraft.adaptive import AcceptancePrior, BatchCosts, _Curve, choose_batch_k
+
+    rng = random.Random(5)
+    cases, pruned = [], 0
+    for _ in range(80):
+        size = rng.randint(1, 24)
+        prior = AcceptancePrior()
+        stats = []
+        for _ in range(size):
+            s = AcceptanceStats(prior)
+            for _ in range(rng.randint(0, 30)):
+                proposed = rng.randint(0, 5)
+                s.update(proposed, rng.randint(0, proposed))
+            stats.append(s)
+        costs, model_draft = BatchCosts(), rng.random() < 0.3
+        per_row = rng.choice([0.0002, 0.001, 0.004, 0.01])  # a row from ~2% to ~5x of a plain token's share
+        for _ in range(rng.randint(1, 40)):
+            rows, drafting = rng.randint(size, 6 * size), rng.randint(0, size)
+            costs.record(rows, 0.01 + per_row * rows * rng.uniform(0.8, 1.2), drafting,
+                         drafting if model_draft else 0, 0.0002 * drafting if drafting else None)
+        caps = [rng.choice([0, 1, 3, 5]) for _ in range(size)]
+        plain = costs.step_seconds(size, 0, 0, model_draft)
+        floor = costs.target.least_slope(size, size + sum(caps), adaptive.PRIOR_COST_SLOPE) * size / plain
+        pruned += sum(1 for s, cap in zip(stats, caps) if cap and s.rates(1)[0] <= floor)
+        cases.append((stats, caps, size, costs, model_draft))
+    chosen = [choose_batch_k(*case) for case in cases]
+    monkeypatch.setattr(_Curve, "least_slope", lambda self, lo, hi, prior_slope: 0.0)  # price every candidate
+    assert [choose_batch_k(*case) for case in cases] == chosen
+    assert pruned > 20 and any(map(any, chosen)) and not all(map(all, chosen))

@@ -507,6 +507,19 @@ def _random_stats(count=6, seed=7):
     return out
 
 
+def _random_batch_stats(rng, size: int) -> list[AcceptanceStats]:
+    """A batch's requests sharing one engine prior, each with up to 30 random steps (proposed 0..5)."""
+    prior = adaptive.AcceptancePrior()
+    stats = []
+    for _ in range(size):
+        s = AcceptanceStats(prior)
+        for _ in range(rng.randint(0, 30)):
+            proposed = rng.randint(0, 5)
+            s.update(proposed, rng.randint(0, proposed))
+        stats.append(s)
+    return stats
+
+
 def test_expected_tokens_and_choices_are_the_same_to_the_last_bit():
     """Adaptive K takes its formulas from quickdraft/speedup_model.py: E(k) accumulated left to right as its own
     loops did before (commit e56b434), and the same K picked for the same inputs. The pinned figures are those since
@@ -590,20 +603,13 @@ def test_a_batch_of_few_candidates_chooses_as_the_numpy_path_does(monkeypatch):
     numpy: the same arithmetic in the same order, so the same choices on random batches, costs and draft kinds."""
     import random
 
-    from quickdraft.adaptive import AcceptancePrior, BatchCosts, choose_batch_k
+    from quickdraft.adaptive import BatchCosts, choose_batch_k
 
     rng = random.Random(3)
     cases = []
     for _ in range(60):
         size = rng.randint(1, 8)
-        prior = AcceptancePrior()
-        stats = []
-        for _ in range(size):
-            s = AcceptanceStats(prior)
-            for _ in range(rng.randint(0, 30)):
-                proposed = rng.randint(0, 5)
-                s.update(proposed, rng.randint(0, proposed))
-            stats.append(s)
+        stats = _random_batch_stats(rng, size)
         costs, model_draft = BatchCosts(), rng.random() < 0.5
         for _ in range(rng.randint(1, 40)):
             rows, drafting = rng.randint(1, 4 * size), rng.randint(0, size)
@@ -623,20 +629,13 @@ def test_leaving_out_candidates_below_a_rows_cost_leaves_the_batch_choice_as_it_
     to the last bit, as pricing every candidate, on random batches and costs where rows are dear and cheap."""
     import random
 
-    from quickdraft.adaptive import AcceptancePrior, BatchCosts, _Curve, choose_batch_k
+    from quickdraft.adaptive import BatchCosts, _Curve, choose_batch_k
 
     rng = random.Random(5)
     cases, pruned = [], 0
     for _ in range(80):
         size = rng.randint(1, 24)
-        prior = AcceptancePrior()
-        stats = []
-        for _ in range(size):
-            s = AcceptanceStats(prior)
-            for _ in range(rng.randint(0, 30)):
-                proposed = rng.randint(0, 5)
-                s.update(proposed, rng.randint(0, proposed))
-            stats.append(s)
+        stats = _random_batch_stats(rng, size)
         costs, model_draft = BatchCosts(), rng.random() < 0.3
         per_row = rng.choice([0.0002, 0.001, 0.004, 0.01])  # a row from ~2% to ~5x of a plain token's share
         for _ in range(rng.randint(1, 40)):

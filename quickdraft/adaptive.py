@@ -320,10 +320,8 @@ class AcceptanceStats(_PositionCounts):
         last = None
         for i in range(count):
             prior = priors[i] if last is None else max(priors[i], last)
-            if i < known:
-                last = (accepted[i] + prior * PRIOR_WEIGHT) / (reached[i] + PRIOR_WEIGHT)
-            else:
-                last = (0.0 + prior * PRIOR_WEIGHT) / (0.0 + PRIOR_WEIGHT)
+            a, r = (accepted[i], reached[i]) if i < known else (0.0, 0.0)  # a position never proposed: none
+            last = (a + prior * PRIOR_WEIGHT) / (r + PRIOR_WEIGHT)
             rates.append(last)
         return rates
 
@@ -474,7 +472,8 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
     then learn; a lookup's cost, a small share of a step, counts as nothing until a drafting step measures it); one
     draft for a sequence due for a probe that would draft none (batch_probe_interval)."""
     drafts_unmeasured = model_draft and not costs.draft_forward.points
-    if costs.step_seconds(base_rows, 0, 0, model_draft) is None or (drafts_unmeasured and any(caps)):
+    plain = costs.step_seconds(base_rows, 0, 0, model_draft)
+    if plain is None or (drafts_unmeasured and any(caps)):
         return list(caps)
     # A candidate worth less than what its row costs in plain tokens cannot raise the batch's tokens per second: a
     # row adds at least `least` seconds (the target's least slope over the rows the candidates may add; drafting
@@ -483,7 +482,6 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
     # above that). Leaving those out (a margin of 1e-6 over rounding) leaves the choice as it was, to the last
     # bit, and spares pricing them: at 64 sequences on a CPU a row costs ~0.7 of a token, and most sequences
     # offer nothing above that.
-    plain = costs.step_seconds(base_rows, 0, 0, model_draft)
     least = costs.target.least_slope(base_rows, base_rows + sum(caps), PRIOR_COST_SLOPE)
     floor = least * len(caps) / plain * (1 - 1e-6) if plain > 0 else 0.0
     chances, owners, positions = [], [], []

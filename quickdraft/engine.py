@@ -290,7 +290,7 @@ class Engine:
                     on_device[i] = draft
             bounds.append(len(host))
         parts = torch.tensor(host, dtype=torch.long)
-        if torch.device(self.device).type == "cuda":
+        if self.device.type == "cuda":
             parts = parts.pin_memory().to(self.device, non_blocking=True)
         else:
             parts = parts.to(self.device)

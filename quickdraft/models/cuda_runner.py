@@ -217,10 +217,11 @@ class CudaRunner(DecoderRunner):
                 cache.record(ids)
             self.forwards += 1
             real = sum(step.counts)
-            logits = logits[:sum(wanted)].clone() if logits is not None and sum(wanted) else \
+            total = sum(wanted)
+            logits = logits[:total] if logits is not None and total else \
                 torch.zeros((0, self.vocab_size), dtype=torch.float32, device=self.device)
-            if argmax_only:
-                logits = argmax_rows(logits)
+            # The graph's output is overwritten by its next replay: what is handed out is a copy, or its argmax.
+            logits = argmax_rows(logits) if argmax_only else logits.clone()
             return (logits, hidden[:real].clone()) if return_hidden else logits
 
     @staticmethod

@@ -25,7 +25,7 @@ from quickdraft.models.base import Runner, TreeAttention
 from quickdraft.params import SamplingParams
 from quickdraft.sequence import Logprob, PositionLogprobs, RequestMetrics, Sequence
 from quickdraft.step.policy import SpeculationPolicy, StepTiming
-from quickdraft.step.verification import Verdict, process_rows, verify_batch
+from quickdraft.step.verification import Verdict, process_rows, reads_argmax_only, verify_batch
 from quickdraft.step_batch import StepBatch
 
 __all__ = ["Engine", "RequestMetrics", "Sequence"]
@@ -46,14 +46,6 @@ def _draft_cache(seq: Sequence):
 
 def _history(seq: Sequence) -> list[int]:
     return seq.token_ids
-
-
-def _verified_by_argmax(seq: Sequence) -> bool:
-    """Whether the sequence's rows are verified by their argmax alone: greedy, with nothing that processes or
-    reads its logits (grammar, logit bias, penalties, logprobs)."""
-    params = seq.params
-    return params.greedy and seq.grammar is None and seq.penalties is None and not params.logit_bias and \
-        params.logprobs is None
 
 
 class Engine:
@@ -228,9 +220,10 @@ class Engine:
         prompt_rows = [int(feed.numel()) - 1 if seq.wants_prompt_logprobs and k == 0 else 0
                        for seq, feed, k in zip(seqs, feeds, ks)]
         num_logits = [k + 1 + extra for k, extra in zip(ks, prompt_rows)]
-        # Where every row is verified by its argmax (no sampling, nothing that processes or reads logits), the
-        # runner gives the argmax alone, which it may compute without writing the [rows, V] logits.
-        argmax_only = self.relaxed_threshold is None and not any(prompt_rows) and all(map(_verified_by_argmax, seqs))
+        # Where every row is verified by its argmax (no sampling, nothing that processes its logits) and no one
+        # reads its logprobs, the runner gives the argmax alone, which it may compute without writing the logits.
+        argmax_only = self.relaxed_threshold is None and not any(prompt_rows) and \
+            all(reads_argmax_only(seq) and seq.params.logprobs is None for seq in seqs)
         if argmax_only:
             forward_kwargs["argmax_only"] = True
         hidden = None

@@ -31,7 +31,7 @@ from quickdraft import sampling, verify, verify_tree
 from quickdraft.sequence import Sequence, prefetch_log_noise
 from quickdraft.step_batch import StepBatch
 
-__all__ = ["StepVerdict", "Verdict", "process_rows", "verify_batch"]
+__all__ = ["StepVerdict", "Verdict", "process_rows", "reads_argmax_only", "verify_batch"]
 
 
 class Verdict(NamedTuple):
@@ -143,6 +143,12 @@ def _penalized(seqs: list[Sequence], batch: StepBatch, processed: torch.Tensor, 
     part = sampling.penalize(processed.index_select(0, index), seen, counts, penalties[:, :1], penalties[:, 1:2],
                              penalties[:, 2:])
     return processed.index_copy(0, index, part)
+
+
+def reads_argmax_only(seq: Sequence) -> bool:
+    """Whether verification reads nothing of seq's rows but their argmax: greedy, with nothing process_rows applies
+    to them (a grammar, a logit bias, penalties). What process_rows comes to apply belongs here too."""
+    return seq.params.greedy and seq.grammar is None and seq.penalties is None and not seq.params.logit_bias
 
 
 def process_rows(seqs: list[Sequence], logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from quickdraft import sampling, verify, verify_tree
 from quickdraft.params import SamplingParams
 from quickdraft.sequence import Sequence
-from quickdraft.step.verification import StepVerdict, process_rows, verify_batch
+from quickdraft.step.verification import StepVerdict, process_rows, reads_argmax_only, verify_batch
 from quickdraft.step_batch import StepBatch
 from quickdraft.token_tree import ChildSelection, TokenTree
 
@@ -138,6 +138,20 @@ def test_the_targets_argmax_alone_verifies_greedy_chains_and_trees_as_their_logi
         verify_batch(seqs[:3], rows, plain).to_host()
     with pytest.raises(ValueError, match="greedy"):
         verify_batch([_seq(SamplingParams(temperature=0.8))] + seqs[1:], None, batch, target=logits.argmax(-1))
+
+
+def test_reads_argmax_only_where_process_rows_leaves_the_rows_as_they_are():
+    """The engine asks the runner for the argmax alone where reads_argmax_only holds for every sequence: exactly
+    where process_rows leaves a sequence's rows untouched (grammar masks aside: they need a tokenizer here)."""
+    gen = torch.Generator().manual_seed(9)
+    table = sampling.PenaltyTable(V, CPU)
+    batch = _batch([[3, 1]])
+    logits = torch.randn(batch.num_rows, V, generator=gen)
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={2: 3.0}),
+                   SamplingParams(temperature=0, repetition_penalty=1.3), SamplingParams(temperature=0.8)):
+        seq = _seq(params, table=table)
+        assert reads_argmax_only(seq) == torch.equal(process_rows([seq], logits, batch), logits)
+    assert reads_argmax_only(_seq(SamplingParams(temperature=0)))
 
 
 def test_match_trees_is_each_trees_match():

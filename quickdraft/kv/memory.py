@@ -84,7 +84,7 @@ class KVMemory:
         # One prefix cache per runner whose caches are copied block by block and keyed by the target's tokens
         # (None for the others: a draft with another tokenizer holds its own tokens).
         self.prefix_caches: list[PrefixCache | None] = [
-            PrefixCache(c.runner, self.pool, None if self.pool else DEFAULT_PREFIX_CACHE_TOKENS // BLOCK_SIZE)
+            PrefixCache(c.runner, self.pool, None if self.pool else DEFAULT_PREFIX_CACHE_TOKENS)
             if enable_prefix_caching and c.shares_prefixes and not p and PrefixCache.copies(c.runner) else None
             for c, p in zip(self.counted, paged)]
         # Paged caches share kept prefix blocks by reference (PagedSequenceCache.load_prefix / store_prefix).
@@ -127,14 +127,18 @@ class KVMemory:
         return True
 
     def release(self, seq: Any) -> None:
-        """Give the pools back the blocks of seq's counted caches (their contents go)."""
-        for c, paged in zip(self.counted, self.paged_pools):
+        """Give the pools back the blocks of seq's counted caches (their contents go), but for those whose kept
+        prefix blocks live in them: prefix caching adopts them."""
+        for c, paged, prefix in zip(self.counted, self.paged_pools, self.prefix_caches):
             cache = c.cache_of(seq)
             if cache is None:
                 continue
             if paged is not None:
                 cache.release()
-            elif self.pool is not None:
+                continue
+            if prefix is not None:
+                prefix.adopt(cache)
+            if self.pool is not None:
                 self.pool.release_cache(cache)
 
     def load_prefix(self, seq: Any) -> bool:

@@ -175,6 +175,13 @@ class KVPool:
         else:
             self._held[id(holder)] = (holder, held - nbytes)
 
+    def transfer(self, holder: Any, to: Any) -> None:
+        """Whatever `holder` holds is held by `to` from now on (a finished cache's tensors kept for prefix
+        caching): nothing is freed or taken."""
+        entry = self._held.pop(id(holder), None)
+        if entry is not None:
+            self._held[id(to)] = (to, self.held_bytes(to) + entry[1])
+
     def release(self, cache: Any) -> None:
         """Return every block `cache` holds (a no-op for a cache that holds none)."""
         entry = self._held.pop(id(cache), None)

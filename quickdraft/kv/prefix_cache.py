@@ -1,15 +1,19 @@
 """Prefix caching: full blocks of a runner's KV cache kept by the token prefix that produced them.
 
-`PrefixCache`: full blocks of a runner's cache kept by the token prefix that produced them (a hash chain over
-the blocks' tokens, as vLLM keys its blocks), least recently used evicted first, and copied into a new
-sequence whose tokens start with that prefix: its prompt is then computed from the first block not found.
-Caches stay one contiguous tensor per sequence (what the attention kernels read), so a reused block is
-copied (a memcpy of a few hundred KB) rather than shared in place: prefix caching saves the prefill's
-compute, not its memory. Kept blocks are slots of slabs allocated SLAB_BLOCKS at a time and reused once
-evicted: a block stored as a sequence fills it is one copy into memory already mapped, not an allocation (a
-fresh allocation of a block's size faults in its pages, which cost more than the copy on a busy machine).
-Under a budget the kept blocks live in the pool's free space and are evicted before any running sequence is
-preempted.
+`PrefixCache`: full blocks of a runner's caches kept by the token prefix that produced them (a hash chain over
+the blocks' tokens, as vLLM keys its blocks) and copied into a new sequence whose tokens start with that
+prefix: its prompt is then computed from the first block not found. Caches stay one contiguous tensor per
+sequence (what the attention kernels read), so a reused block is copied into the new cache (a memcpy of a few
+hundred KB): prefix caching saves the prefill's compute, not its memory.
+
+Keeping a block copies nothing. While its sequence runs, a kept block is the running cache's own (it is
+committed, so no later step rewrites it); when the sequence ends, the prefix cache adopts the finished cache's
+tensors instead of letting them go. Copying each block as it filled cost ~50 us a block from cold memory, four
+blocks a step at 64 sequences: a third of the step's host time. An adopted cache is evicted whole (least
+recently used first): its tensors hold its blocks that were kept before any other cache's, beside positions it
+shares with an earlier kept prefix and the room it had not filled, so a kept block takes more bytes than its
+own. Under a budget, adopted caches keep the pool bytes their sequences were granted (the pool's free space,
+reclaimed before any running sequence is preempted); without one, at most `max_tokens` positions' bytes.
 """
 
 from __future__ import annotations
@@ -22,10 +26,7 @@ from typing import Any
 import torch
 
 from quickdraft.kv.pool import BLOCK_SIZE, KVPool, runner_bytes_per_token
-from quickdraft.kv.static_cache import StaticSequenceCache
-
-
-SLAB_BLOCKS = 32  # blocks allocated at once
+from quickdraft.kv.static_cache import StaticSequenceCache, block_views
 
 
 def _chain(parent: bytes, tokens: list[int]) -> bytes:
@@ -33,28 +34,47 @@ def _chain(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
+class _Adopted:
+    """A finished sequence's keys and values, kept for the blocks of them a prefix cache keeps."""
+
+    __slots__ = ("keys", "values", "packed_keys", "nbytes", "digests")
+
+    def __init__(self, cache: StaticSequenceCache, nbytes: int):
+        self.keys, self.values = cache.keys, cache.values
+        self.packed_keys = cache.runner.packed_keys
+        self.nbytes = nbytes  # what it counts against the pool or the cap
+        self.digests: list[bytes] = []  # the kept blocks that live here
+
+    def block(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return block_views(self.keys, self.values, self.packed_keys, index)
+
+
 class PrefixCache:
     """Full blocks of one runner's caches, kept by the token prefix that produced them (see the module doc).
 
-    `load(cache, token_ids)` copies the longest kept prefix of token_ids into an empty cache, leaving at least
-    the last token to compute (its logits are needed); `store(cache)` keeps the cache's full blocks of
-    committed positions that are not kept yet. A block holds the numbers a fresh prefill of its prefix
-    computes only where the runner computes each row alike whatever the call (quickdraft's CPU kernels): the
-    LLM turns prefix caching on by default only there.
+    `store(cache)` keeps the running cache's full blocks of committed positions that are not kept yet (by
+    reference); `adopt(cache)` keeps a finished cache's tensors for its kept blocks; `load(cache, token_ids)`
+    copies the longest kept prefix of token_ids into an empty cache, leaving at least the last token to compute
+    (its logits are needed). A block holds the numbers a fresh prefill of its prefix computes only where the
+    runner computes each row alike whatever the call (quickdraft's CPU kernels): the LLM turns prefix caching
+    on by default only there.
 
-    Eviction is least recently used, and a prefix's blocks are touched last-block-first so that a prefix is
-    evicted from its tail: a kept block's parent is always kept (a chain without its head could never be
-    found). With a pool, kept blocks take the pool's free bytes and the pool reclaims them before it refuses a
-    grant; without one, at most `max_blocks` are kept."""
+    Eviction takes adopted caches whole, least recently used first; a load or a store touches a prefix's blocks
+    last-block-first, so the cache holding a chain's head is used no earlier than one holding its tail, and a
+    chain is evicted from its tail (a chain without its head could never be found). Blocks of running caches
+    take no memory of their own and are not evicted. With a pool, adopted caches keep their pool bytes and the
+    pool reclaims them before it refuses a grant; without one, they take at most `max_tokens` positions."""
 
-    def __init__(self, runner: Any, pool: KVPool | None = None, max_blocks: int | None = None):
+    def __init__(self, runner: Any, pool: KVPool | None = None, max_tokens: int | None = None):
         self.runner = runner
-        self.block_bytes = runner_bytes_per_token(runner) * BLOCK_SIZE
+        self.bytes_per_token = runner_bytes_per_token(runner)
+        self.block_bytes = self.bytes_per_token * BLOCK_SIZE
         self.pool = pool
-        self.max_blocks = max_blocks
-        self._blocks: OrderedDict[bytes, int] = OrderedDict()  # digest -> its slot; LRU first
-        self._slabs: list[tuple[torch.Tensor, torch.Tensor]] = []  # keys, values [SLAB_BLOCKS, *a block's shape]
-        self._free_slots: list[int] = []
+        self.max_bytes = None if max_tokens is None else max_tokens * self.bytes_per_token
+        # digest -> (where the block lives: a running cache or an _Adopted, its block index); LRU first
+        self._blocks: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()
+        self._adopted: OrderedDict[int, _Adopted] = OrderedDict()  # id -> adopted tensors; LRU first
+        self.nbytes = 0  # the adopted tensors' bytes
         self.queried_tokens = 0  # prompt tokens looked up
         self.hit_tokens = 0  # of them, loaded from kept blocks
 
@@ -66,29 +86,24 @@ class PrefixCache:
         """Whether `runner`'s caches are ones a prefix cache copies block by block (StaticSequenceCache)."""
         return isinstance(runner.new_cache(), StaticSequenceCache)
 
-    @property
-    def nbytes(self) -> int:
-        return len(self._blocks) * self.block_bytes
-
-    def _slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self._slabs[slot // SLAB_BLOCKS]
-        return keys[slot % SLAB_BLOCKS], values[slot % SLAB_BLOCKS]
-
-    def _new_slot(self, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """A free slot for a block shaped like keys and values (a new slab when none is free)."""
-        if not self._free_slots:
-            first = len(self._slabs) * SLAB_BLOCKS
-            self._slabs.append((keys.new_empty((SLAB_BLOCKS, *keys.shape)),
-                                values.new_empty((SLAB_BLOCKS, *values.shape))))
-            self._free_slots = list(range(first + SLAB_BLOCKS - 1, first - 1, -1))
-        return self._free_slots.pop()
-
-    def _drop_oldest(self) -> None:
-        self._free_slots.append(self._blocks.popitem(last=False)[1])
-
     def _touch(self, digests: list[bytes]) -> None:
         for digest in reversed(digests):  # the head last: the most recently used
             self._blocks.move_to_end(digest)
+            holder = self._blocks[digest][0]
+            if isinstance(holder, _Adopted):
+                self._adopted.move_to_end(id(holder))
+
+    def _find(self, digest: bytes) -> tuple[Any, int] | None:
+        """Where a kept block lives; None if it is not kept. A running cache rolled back below a block it kept
+        (it is the engine's rule that committed positions stay, but a cache is not bound to it) no longer
+        holds it: the entry goes."""
+        entry = self._blocks.get(digest)
+        if entry is not None and isinstance(entry[0], StaticSequenceCache):
+            cache, index = entry
+            if index >= len(cache.block_digests) or cache.block_digests[index] != digest:
+                del self._blocks[digest]
+                return None
+        return entry
 
     def load(self, cache: StaticSequenceCache, token_ids: list[int]) -> int:
         """Fill the empty `cache` with the longest kept prefix of token_ids; returns the positions loaded. May
@@ -96,21 +111,23 @@ class PrefixCache:
         self.queried_tokens += len(token_ids)
         if len(cache):
             return 0
-        digests, parent = [], b""
+        digests, sources, parent = [], [], b""
         for index in range((len(token_ids) - 1) // BLOCK_SIZE):
             digest = _chain(parent, token_ids[index * BLOCK_SIZE: (index + 1) * BLOCK_SIZE])
-            if digest not in self._blocks:
+            entry = self._find(digest)
+            if entry is None:
                 break
             digests.append(digest)
+            sources.append(entry)
             parent = digest
         if not digests:
             return 0
         positions = len(digests) * BLOCK_SIZE
-        # Read after reserving: reserving may evict them, but no block is stored (no slot rewritten) before the copy.
-        slots = [self._blocks[digest] for digest in digests]
-        self._touch(digests)
+        self._touch(digests)  # most recently used: reserving below reclaims others first
+        # Views taken after reserving: reserving may reclaim adopted tensors, which the views then keep alive
+        # until they are copied (nothing rewrites them).
         cache.reserve(positions)
-        cache.write_blocks([self._slot(slot) for slot in slots], token_ids[:positions])
+        cache.write_blocks([holder.block(index) for holder, index in sources], token_ids[:positions])
         cache.block_digests = digests
         self.hit_tokens += positions
         return positions
@@ -121,7 +138,8 @@ class PrefixCache:
         return len(cache) // BLOCK_SIZE > len(cache.block_digests)
 
     def store(self, cache: StaticSequenceCache) -> None:
-        """Keep the full blocks of `cache` (its committed positions) that are not kept yet."""
+        """Keep the full blocks of the running `cache` (its committed positions) that are not kept yet: where
+        they are, without a copy."""
         full = len(cache) // BLOCK_SIZE
         digests = cache.block_digests
         if len(digests) >= full:
@@ -129,58 +147,52 @@ class PrefixCache:
         ids = cache.token_ids
         # A block is kept only under a kept parent: the cache's earlier blocks may have been evicted since they
         # were stored, and a block whose chain lost a link can never be found again.
-        chained = all(digest in self._blocks for digest in digests)
+        chained = all(self._find(digest) is not None for digest in digests)
         for index in range(len(digests), full):
             digest = _chain(digests[-1] if digests else b"", ids[index * BLOCK_SIZE: (index + 1) * BLOCK_SIZE])
             digests.append(digest)
-            if not chained:
-                continue  # still the cache's digests, for its later blocks
-            if digest not in self._blocks:
-                if not self._make_room(protect=set(digests)):
-                    chained = False  # later blocks could not be found without this one
-                    continue
-                keys, values = cache.block(index)
-                slot = self._new_slot(keys, values)
-                slot_keys, slot_values = self._slot(slot)
-                slot_keys.copy_(keys)
-                slot_values.copy_(values)
-                self._blocks[digest] = slot
-        self._touch(self._kept_head(digests))
+            if chained and digest not in self._blocks:
+                self._blocks[digest] = (cache, index)
+        if chained:
+            self._touch(digests)
 
-    def _kept_head(self, digests: list[bytes]) -> list[bytes]:
-        """The digests of a chain up to its first block that is not kept (the part a load can find)."""
-        kept = []
-        for digest in digests:
-            if digest not in self._blocks:
-                break
-            kept.append(digest)
-        return kept
-
-    def _make_room(self, protect: set[bytes]) -> bool:
-        """Room for one more block: free bytes in the pool (or under the cap), else the least recently used
-        block's, unless that block is one of `protect` (the chain being stored); False when there is none."""
-        if self.pool is not None and self.pool.take(self, self.block_bytes):
-            return True
-        if self.pool is None and (self.max_blocks is None or len(self._blocks) < self.max_blocks):
-            return True
-        if not self._blocks or next(iter(self._blocks)) in protect:
-            return False
-        self._drop_oldest()  # its bytes (or its place under the cap) go to the new block
-        return True
+    def adopt(self, cache: StaticSequenceCache) -> None:
+        """`cache`'s sequence is done with it: keep its tensors for the kept blocks that live in them (with a pool,
+        with the bytes the pool granted the cache), or let them go when none does."""
+        owned = [digest for index, digest in enumerate(cache.block_digests)
+                 if self._blocks.get(digest) == (cache, index)]
+        if not owned:
+            return
+        if self.pool is not None:
+            nbytes = self.pool.held_bytes(cache)
+            self.pool.transfer(cache, self)  # the cache's release then gives back nothing
+        else:
+            nbytes = cache.nbytes
+        adopted = _Adopted(cache, nbytes)
+        adopted.digests = owned
+        for digest in owned:
+            self._blocks[digest] = (adopted, self._blocks[digest][1])
+        self._adopted[id(adopted)] = adopted
+        self.nbytes += nbytes
+        if self.max_bytes is not None and self.nbytes > self.max_bytes:
+            self.evict(self.nbytes - self.max_bytes)
 
     def evict(self, nbytes: int) -> int:
-        """Drop least recently used blocks until nbytes are freed (or none is left); returns the bytes freed."""
+        """Drop adopted caches, least recently used first, until nbytes are freed (or none is left); returns the
+        bytes freed."""
         freed = 0
-        while self._blocks and freed < nbytes:
-            self._drop_oldest()
-            freed += self.block_bytes
+        while self._adopted and freed < nbytes:
+            _, adopted = self._adopted.popitem(last=False)
+            for digest in adopted.digests:
+                self._blocks.pop(digest, None)
+            freed += adopted.nbytes
+        self.nbytes -= freed
         if self.pool is not None and freed:
             self.pool.give(self, freed)
         return freed
 
     def clear(self) -> None:
-        """Drop every kept block. The slabs stay, as after evictions: a cleared cache refills memory already
-        mapped (a block stored into a fresh slab's pages took 76 us here, into mapped ones 18.5 us)."""
+        """Drop every kept block, those of running caches too (whose later blocks are then not kept: their chains'
+        heads are gone)."""
         self.evict(self.nbytes)
-        total = len(self._slabs) * SLAB_BLOCKS
-        self._free_slots = list(range(total - 1, -1, -1))  # popped lowest first
+        self._blocks.clear()

@@ -15,6 +15,13 @@ from quickdraft.cache import SequenceCache
 from quickdraft.kv.pool import BLOCK_SIZE, KVPool, PoolGrantedCache, round_up, runner_bytes_per_token
 
 
+def block_views(keys: torch.Tensor, values: torch.Tensor, packed_keys: bool, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the keys and values of positions [16 index, 16 index + 16) (all layers and heads) of a cache's
+    tensors."""
+    lo, hi = index * BLOCK_SIZE, (index + 1) * BLOCK_SIZE
+    return (keys[:, :, index] if packed_keys else keys[:, :, lo:hi]), values[:, :, lo:hi]
+
+
 class StaticSequenceCache(SequenceCache, PoolGrantedCache):
     """A native runner's keys and values for one sequence in preallocated tensors [layers, kv_heads, capacity,
     head_dim] (keys packed [layers, kv_heads, capacity/16, head_dim/2, 16, 2] where the CPU kernels read
@@ -108,9 +115,7 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
 
     def block(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the keys and values of positions [16 index, 16 index + 16) (all layers and heads)."""
-        lo, hi = index * self.BLOCK, (index + 1) * self.BLOCK
-        keys = self.keys[:, :, index] if self._runner.packed_keys else self.keys[:, :, lo:hi]
-        return keys, self.values[:, :, lo:hi]
+        return block_views(self.keys, self.values, self._runner.packed_keys, index)
 
     def read_block(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the keys and values of positions [16 index, 16 index + 16) (all layers and heads)."""

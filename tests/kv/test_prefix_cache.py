@@ -83,48 +83,80 @@ def test_load_leaves_the_last_token_to_compute_and_needs_an_exact_prefix():
     assert prefix.load(runner.new_cache(), ids[:16]) == 0  # one block and nothing after it
 
 
-def test_rolled_back_blocks_are_not_kept_and_eviction_takes_tails_first():
-    runner = native_runner(tiny_llama(seed=0), "tiny")
-    prefix = PrefixCache(runner, max_blocks=3)
+def _run(runner, ids):
     cache = runner.new_cache()
-    a = _tokens(40, seed=6, vocab=32)
+    runner.forward(cache, torch.tensor(ids))
+    return cache
+
+
+def test_rolled_back_blocks_are_not_kept_and_adopted_caches_are_evicted_whole_least_recent_first():
+    runner = native_runner(tiny_llama(seed=0), "tiny")
+    block_bytes = 16 * runner.num_layers * runner.num_kv_heads * runner.head_dim * 2 * 4
+    prefix = PrefixCache(runner, max_tokens=2 * 64)  # two finished caches of 64 positions (the growth policy's)
+    a, b, c = (_tokens(40, seed=s, vocab=32) for s in (6, 7, 8))
+    cache = runner.new_cache()
     runner.forward(cache, torch.tensor(a))
     cache.rollback(20)  # rejected positions: only block 0 is committed
     prefix.store(cache)
-    assert len(prefix) == 1
+    assert len(prefix) == 1 and prefix.nbytes == 0  # a running cache's blocks take no bytes of their own
     runner.forward(cache, torch.tensor(a[20:]))
     prefix.store(cache)
     assert len(prefix) == 2 and prefix.load(runner.new_cache(), a) == 32
-    b = _tokens(40, seed=7, vocab=32)
-    other = runner.new_cache()
-    runner.forward(other, torch.tensor(b))
-    prefix.store(other)  # a third and fourth block: the cap of 3 evicts the least recent, a's tail
-    assert len(prefix) == 3
-    assert prefix.load(runner.new_cache(), a) == 16  # a's head survives: its chain is still found
+    prefix.adopt(cache)
+    assert prefix.nbytes == cache.nbytes == 4 * block_bytes
+    other = _run(runner, b)
+    prefix.store(other)
+    prefix.adopt(other)
+    assert len(prefix) == 4 and prefix.load(runner.new_cache(), a) == 32  # a is the most recently used now
+    third = _run(runner, c)
+    prefix.store(third)
+    prefix.adopt(third)  # over the cap: b's cache, the least recently used, goes whole
+    assert len(prefix) == 4 and prefix.nbytes == 8 * block_bytes
+    assert prefix.load(runner.new_cache(), b) == 0
+    assert prefix.load(runner.new_cache(), a) == 32 and prefix.load(runner.new_cache(), c) == 32
+
+
+def test_keeping_a_block_copies_nothing():
+    """A running cache's block is kept where it is, and a finished cache's tensors are adopted as they are: a load
+    copies from them, and the cache that made them no longer holds them."""
+    runner = native_runner(tiny_llama(seed=0), "tiny")
+    prefix = PrefixCache(runner)
+    a = _tokens(40, seed=6, vocab=32)
+    cache = _run(runner, a)
+    prefix.store(cache)
+    keys, values = cache.keys, cache.values
+    assert prefix._blocks[cache.block_digests[1]] == (cache, 1)
+    prefix.adopt(cache)
+    cache.release()  # what a finished sequence's cache does: its tensors are kept only by the prefix cache
+    holder, index = prefix._blocks[cache.block_digests[1]] if cache.block_digests else (None, None)
+    assert cache.keys is None and holder is None  # the released cache forgot its digests
+    (adopted,) = prefix._adopted.values()
+    assert adopted.keys is keys and adopted.values is values
+    loaded = runner.new_cache()
+    assert prefix.load(loaded, a) == 32
+    for x, y in zip(_contents(loaded, 32), (keys[:, :, :32], values[:, :, :32])):
+        assert torch.equal(x, y)
+    prefix.clear()
+    assert len(prefix) == 0 and prefix.nbytes == 0 and prefix.load(runner.new_cache(), a) == 0
+
+
+def test_a_cache_rolled_back_below_a_kept_block_no_longer_serves_it():
+    """The engine never rolls back committed positions, but a cache is not bound to that: a block whose cache
+    was cut below it is not loaded from positions since rewritten."""
+    runner = native_runner(tiny_llama(seed=0), "tiny")
+    prefix = PrefixCache(runner)
+    a = _tokens(40, seed=6, vocab=32)
+    cache = _run(runner, a)
+    prefix.store(cache)
+    cache.rollback(10)
+    b = a[:10] + _tokens(30, seed=9, vocab=32)
+    runner.forward(cache, torch.tensor(b[10:]))
+    assert prefix.load(runner.new_cache(), a) == 0
+    prefix.store(cache)  # its new blocks take the places of the stale ones
     assert prefix.load(runner.new_cache(), b) == 32
 
 
-def test_a_cleared_prefix_cache_refills_its_slabs():
-    """clear drops every kept block but keeps the slabs (memory already mapped): blocks stored after it take the
-    same slabs, and are found again."""
-    runner = native_runner(tiny_llama(seed=0), "tiny")
-    prefix = PrefixCache(runner)
-    a, b = _tokens(40, seed=6, vocab=32), _tokens(40, seed=7, vocab=32)
-    cache = runner.new_cache()
-    runner.forward(cache, torch.tensor(a))
-    prefix.store(cache)
-    slabs = [keys.data_ptr() for keys, _ in prefix._slabs]
-    prefix.clear()
-    assert len(prefix) == 0 and prefix.load(runner.new_cache(), a) == 0
-    other = runner.new_cache()
-    runner.forward(other, torch.tensor(b))
-    prefix.store(other)
-    assert [keys.data_ptr() for keys, _ in prefix._slabs] == slabs
-    loaded = runner.new_cache()
-    assert prefix.load(loaded, b) == 32 and loaded.token_ids == b[:32]
-
-
-def test_kept_blocks_take_free_pool_bytes_and_are_reclaimed_before_a_grant_fails():
+def test_adopted_caches_keep_their_pool_bytes_and_are_reclaimed_before_a_grant_fails():
     runner = native_runner(tiny_llama(seed=0), "tiny")
     block_bytes = 16 * runner.num_layers * runner.num_kv_heads * runner.head_dim * 2 * 4
     pool = KVPool(block_bytes // 16, 6 * block_bytes)  # 6 blocks in all
@@ -135,16 +167,16 @@ def test_kept_blocks_take_free_pool_bytes_and_are_reclaimed_before_a_grant_fails
     ids = _tokens(33, seed=8, vocab=32)
     runner.forward(cache, torch.tensor(ids))  # holds 4 blocks (the growth policy's 64 positions)
     prefix.store(cache)
-    assert pool.used_blocks == 6 and len(prefix) == 2  # its 2 full blocks, in the free space
-    cache.release()
+    assert pool.used_blocks == 4 and len(prefix) == 2  # kept where they are: no pool bytes of their own
+    prefix.adopt(cache)
+    cache.release()  # gives back nothing: the prefix cache holds its bytes now
+    assert pool.used_blocks == 4 and prefix.nbytes == 4 * block_bytes and pool.held_bytes(prefix) == prefix.nbytes
+    assert prefix.load(runner.new_cache(), ids) == 32
     other = runner.new_cache()
     other.attach_pool(pool)
-    other.reserve(80)  # 5 blocks, 4 free: one kept block is reclaimed, the tail
-    assert len(prefix) == 1 and pool.used_blocks == 6 and other.capacity == 80
-    assert prefix.load(runner.new_cache(), ids) == 16
+    other.reserve(48)  # 3 blocks needed, 2 free: the adopted cache is reclaimed whole (then the policy's 4 fit)
+    assert len(prefix) == 0 and prefix.nbytes == 0 and pool.used_blocks == 4 and other.capacity == 64
     other.release()
-    assert pool.used_bytes == prefix.nbytes == block_bytes
-    prefix.clear()
     assert pool.used_bytes == 0 and pool.num_caches == 0
 
 
@@ -230,22 +262,25 @@ def test_prefix_caching_is_off_by_default_where_rows_are_not_computed_alike():
 
 def test_a_block_whose_parent_was_evicted_is_not_kept():
     """A kept block's parent is always kept: a running cache whose first blocks were evicted since it stored
-    them adds no more blocks (they could never be found), and only its findable head is touched."""
+    them adds no more blocks (they could never be found)."""
     runner = native_runner(tiny_llama(seed=0), "tiny")
-    prefix = PrefixCache(runner, max_blocks=2)
-    cache = runner.new_cache()
+    prefix = PrefixCache(runner, max_tokens=64)
     a = _tokens(60, seed=8, vocab=32)
-    runner.forward(cache, torch.tensor(a[:33]))
-    prefix.store(cache)  # a's blocks 0 and 1
-    other = runner.new_cache()
+    first = _run(runner, a[:33])
+    prefix.store(first)  # a's blocks 0 and 1
+    prefix.adopt(first)
+    second = _run(runner, a[:33])  # a's prefix again, computed: its blocks are kept already, in first's tensors
+    prefix.store(second)
+    assert len(prefix) == 2
     b = _tokens(40, seed=9, vocab=32)
-    runner.forward(other, torch.tensor(b))
-    prefix.store(other)  # b's two blocks evict both of a's
+    other = _run(runner, b)
+    prefix.store(other)
+    prefix.adopt(other)  # over the cap of 64 positions: first's tensors go, and a's blocks with them
     assert prefix.load(runner.new_cache(), a) == 0 and prefix.load(runner.new_cache(), b) == 32
-    runner.forward(cache, torch.tensor(a[33:]))  # a goes on to 60 positions: block 2 is full now
-    prefix.store(cache)
-    assert len(prefix) == 2 and prefix.load(runner.new_cache(), b) == 32  # no orphan took b's place
-    assert len(cache.block_digests) == 3  # the cache still knows its chain for later blocks
+    runner.forward(second, torch.tensor(a[33:]))  # second goes on to 60 positions: block 2 is full now
+    prefix.store(second)
+    assert len(prefix) == 2 and prefix.load(runner.new_cache(), a) == 0  # no orphan kept
+    assert len(second.block_digests) == 3  # the cache still knows its chain for later blocks
 
 
 def test_kept_prefix_blocks_count_as_free_in_the_usage_gauge():

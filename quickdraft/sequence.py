@@ -10,7 +10,7 @@ it cut.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -301,13 +301,43 @@ class Sequence:
         (`logprobs`, one per step token, when the request asked for them). Returns the tokens appended."""
         params = self.params
         num_drafts = len(drafts)
-        steps = [*drafts, token]
+        steps = [*drafts, token] if num_drafts else [token]
         # Where the step ends: the first token that stops the request (a stop or EOS token; the grammar complete),
         # else the one that fills max_tokens or the context. Checked in that order for each token.
         room = min(params.max_tokens - len(self.output_ids), max_len - len(self._token_ids))
         stops = params.stop_token_ids
         eos = () if params.ignore_eos else eos_token_ids
         count = len(steps)
+        # The common case asked at once: room left, no stop token or grammar, no EOS among the tokens.
+        if count >= room or stops or self.grammar is not None or not eos_token_ids.isdisjoint(steps):
+            count = self._end_of_step(steps, room, stops, eos)
+        taken = steps[:count] if count < len(steps) else steps
+        # Provenance: draft position i for an accepted draft, then the target's token (a bonus or a correction).
+        metrics = self.metrics
+        if not num_drafts and count:  # a plain step, or every draft rejected
+            code = TARGET_TOKEN if num_proposed == 0 else correction_code(0)
+            self.provenance.append(code)
+            if code != TARGET_TOKEN:
+                metrics.count_emitted(code)
+        else:
+            codes = list(range(min(count, num_drafts)))
+            if count > num_drafts:
+                codes.append(TARGET_TOKEN if num_drafts == num_proposed else correction_code(num_drafts))
+            self.provenance.extend(codes)
+            for code in codes:
+                if code != TARGET_TOKEN:  # the target's own token with no rejection before it counts nothing
+                    metrics.count_emitted(code)
+        self.output_ids.extend(taken)
+        self._token_ids.extend(taken)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.extend(logprobs[:len(taken)])
+        if self.penalties is not None:
+            self.penalties.append(taken)
+        metrics.num_generated_tokens = len(self.output_ids)
+        return taken
+
+    def _end_of_step(self, steps: list[int], room: int, stops: list[int], eos: Iterable[int]) -> int:
+        """How many of a step's tokens the request keeps; where one ends it, finish_reason says why."""
         for i, t in enumerate(steps):
             if t in stops or t in eos:
                 self.finish_reason = "stop"
@@ -316,26 +346,8 @@ class Sequence:
             elif i + 1 >= room:
                 self.finish_reason = "length"
             if self.finish_reason:
-                count = i + 1
-                break
-        taken = steps[:count] if count < len(steps) else steps
-        # Provenance: draft position i for an accepted draft, then the target's token (a bonus or a correction).
-        codes = list(range(min(count, num_drafts)))
-        if count > num_drafts:
-            codes.append(TARGET_TOKEN if num_drafts == num_proposed else correction_code(num_drafts))
-        self.provenance.extend(codes)
-        metrics = self.metrics
-        for code in codes:
-            if code != TARGET_TOKEN:  # the target's own token with no rejection before it counts nothing
-                metrics.count_emitted(code)
-        self.output_ids.extend(taken)
-        self._token_ids.extend(taken)
-        if self.logprobs is not None and logprobs is not None:
-            self.logprobs.extend(logprobs[:len(taken)])
-        if self.penalties is not None:
-            self.penalties.append(taken)
-        self.metrics.num_generated_tokens = len(self.output_ids)
-        return taken
+                return i + 1
+        return len(steps)
 
     def truncate_output(self, length: int, reason: str) -> None:
         """Keep the first `length` output tokens and finish (a stop string ended inside a step); the dropped

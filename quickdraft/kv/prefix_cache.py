@@ -59,9 +59,10 @@ class PrefixCache:
     runner computes each row alike whatever the call (quickdraft's CPU kernels): the LLM turns prefix caching
     on by default only there.
 
-    Eviction takes adopted caches whole, least recently used first; a load or a store touches a prefix's blocks
-    last-block-first, so the cache holding a chain's head is used no earlier than one holding its tail, and a
-    chain is evicted from its tail (a chain without its head could never be found). Blocks of running caches
+    Eviction takes adopted caches whole, least recently used first (used: adopted, or loaded from); a load
+    touches the caches of a prefix's blocks last-block-first, so the cache holding a chain's head is used no
+    earlier than one holding its tail, and a chain is evicted from its tail (a block whose parent went is not
+    found by a load, and a running cache keeps no block under a parent that went). Blocks of running caches
     take no memory of their own and are not evicted. With a pool, adopted caches keep their pool bytes and the
     pool reclaims them before it refuses a grant; without one, they take at most `max_tokens` positions."""
 
@@ -71,8 +72,8 @@ class PrefixCache:
         self.block_bytes = self.bytes_per_token * BLOCK_SIZE
         self.pool = pool
         self.max_bytes = None if max_tokens is None else max_tokens * self.bytes_per_token
-        # digest -> (where the block lives: a running cache or an _Adopted, its block index); LRU first
-        self._blocks: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()
+        # digest -> where the block lives (a running cache or an _Adopted) and its block index there
+        self._blocks: dict[bytes, tuple[Any, int]] = {}
         self._adopted: OrderedDict[int, _Adopted] = OrderedDict()  # id -> adopted tensors; LRU first
         self.nbytes = 0  # the adopted tensors' bytes
         self.queried_tokens = 0  # prompt tokens looked up
@@ -86,10 +87,9 @@ class PrefixCache:
         """Whether `runner`'s caches are ones a prefix cache copies block by block (StaticSequenceCache)."""
         return isinstance(runner.new_cache(), StaticSequenceCache)
 
-    def _touch(self, digests: list[bytes]) -> None:
-        for digest in reversed(digests):  # the head last: the most recently used
-            self._blocks.move_to_end(digest)
-            holder = self._blocks[digest][0]
+    def _touch(self, sources: list[tuple[Any, int]]) -> None:
+        """Mark the adopted caches a loaded prefix came from as the most recently used, its head's last."""
+        for holder, _ in reversed(sources):
             if isinstance(holder, _Adopted):
                 self._adopted.move_to_end(id(holder))
 
@@ -123,7 +123,7 @@ class PrefixCache:
         if not digests:
             return 0
         positions = len(digests) * BLOCK_SIZE
-        self._touch(digests)  # most recently used: reserving below reclaims others first
+        self._touch(sources)  # most recently used: reserving below reclaims others first
         # Views taken after reserving: reserving may reclaim adopted tensors, which the views then keep alive
         # until they are copied (nothing rewrites them).
         cache.reserve(positions)
@@ -146,15 +146,13 @@ class PrefixCache:
             return
         ids = cache.token_ids
         # A block is kept only under a kept parent: the cache's earlier blocks may have been evicted since they
-        # were stored, and a block whose chain lost a link can never be found again.
-        chained = all(self._find(digest) is not None for digest in digests)
+        # were stored, and a block whose chain lost a link is not found by a load.
+        kept = not digests or self._find(digests[-1]) is not None
         for index in range(len(digests), full):
             digest = _chain(digests[-1] if digests else b"", ids[index * BLOCK_SIZE: (index + 1) * BLOCK_SIZE])
             digests.append(digest)
-            if chained and digest not in self._blocks:
+            if kept and digest not in self._blocks:
                 self._blocks[digest] = (cache, index)
-        if chained:
-            self._touch(digests)
 
     def adopt(self, cache: StaticSequenceCache) -> None:
         """`cache`'s sequence is done with it: keep its tensors for the kept blocks that live in them (with a pool,

@@ -485,15 +485,27 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
     least = costs.target.least_slope(base_rows, base_rows + sum(caps), PRIOR_COST_SLOPE)
     floor = least * len(caps) / plain * (1 - 1e-6) if plain > 0 else 0.0
     chances, owners, positions = [], [], []
+    # A request that has drafted nothing yet (no counts) is priced by its prior alone: one chain for all of them.
+    fresh: dict[tuple[int, int], list[float]] = {}
     for i, (s, cap) in enumerate(zip(stats, caps)):
-        if cap and (floor <= 0 or s.rates(1)[0] > floor):  # a chain's chances only fall: its first is its best
+        if not cap:
+            continue
+        if not s.reached:
+            key = (id(s.prior), cap)
+            chain = fresh.get(key)
+            if chain is None:
+                chain = fresh[key] = acceptance_chain(s.rates(cap), cap)
+        elif floor <= 0 or s.rates(1)[0] > floor:  # a chain's chances only fall: its first is its best
             chain = acceptance_chain(s.rates(cap), cap)
-            worth = cap
-            while chain[worth - 1] <= floor:
+        else:
+            continue
+        worth = cap
+        if floor > 0:
+            while worth and chain[worth - 1] <= floor:
                 worth -= 1
-            chances += chain[:worth]
-            owners += [i] * worth
-            positions += range(worth)
+        chances += chain[:worth]
+        owners += [i] * worth
+        positions += range(worth)
     chosen = [0] * len(caps)
     if chances and len(chances) <= FEW_CANDIDATES:
         chosen = _best_few(chances, owners, positions, len(caps), base_rows, costs, model_draft)

@@ -298,10 +298,16 @@ class Engine:
         the target's hidden states: EAGLE)."""
         row = 0
         for seq, feed, k, length, verdict in zip(seqs, feeds, ks, histories, verdicts):
-            committed = int(feed.numel()) - k  # the feed's rows before its drafts (the last is the root)
-            index = torch.tensor(list(range(committed)) + [committed + j for j in verdict.nodes], device=hidden.device)
-            self.proposer.observe(seq, length - committed, hidden[row:].index_select(0, index))
-            row += int(feed.numel())
+            rows = int(feed.numel())
+            committed = rows - k  # the feed's rows before its drafts (the last is the root)
+            nodes = verdict.nodes
+            if nodes == list(range(len(nodes))):  # a chain's accepted drafts follow the committed rows: a view
+                features = hidden[row: row + committed + len(nodes)]
+            else:  # a tree's path
+                index = torch.tensor(list(range(committed)) + [committed + j for j in nodes], device=hidden.device)
+                features = hidden[row:].index_select(0, index)
+            self.proposer.observe(seq, length - committed, features)
+            row += rows
 
     def _commit(self, seqs: list[Sequence], batch: StepBatch, proposals: list[Proposal], kinds: list[str],
                 chosen: list[int], caches: list, histories: list[int], feeds: list[torch.Tensor],

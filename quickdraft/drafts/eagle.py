@@ -17,9 +17,12 @@ divides by, and the target verifies over its whole vocabulary, so the output is 
 argmax, and verification compares with the target's argmax). A seeded request draws with the target's position
 noise, as draft models do.
 
-Copying: where the suffix index of the request's text (drafts/suffix.py) has a confident match covering all K
-positions, that lookup draft is taken instead of the head's (deterministic: q one-hot, exact; suffix's
-lookup_else_model, as model_lookup).
+Copying: where the suffix index of the request's text (drafts/suffix.py) has a confident match of at least
+LOOKUP_MIN_TOKENS tokens, that lookup draft is taken instead of the head's (deterministic: q one-hot, exact;
+suffix's lookup_else_model, as model_lookup). As for model_lookup, draft_kind says per step which source drafts
+("lookup" or "model"), so adaptive K prices and rates them apart: copies measured at K = 4 had made the head's
+K = 4 look cheap, and a request whose text the head could not draft went on drafting 4-5 tokens every few steps
+(qa prompts at 0.7-0.8x plain decoding; benchmarks/RESULTS.md, session 36).
 
 Trees (EAGLE-2, Li et al. 2024): with speculative_config "tree", the head grows a DynamicTree (drafts/trees.py)
 instead: the root's and then each expanded node's top tokens are candidate children ranked by the product of
@@ -46,7 +49,7 @@ from torch import nn
 
 from quickdraft import sampling
 from quickdraft.drafts.base import Proposal, Proposer, TreeBudget, spelling_argument
-from quickdraft.drafts.suffix import SuffixOptions, SuffixProposer, SuffixState, lookup_else_model
+from quickdraft.drafts.suffix import LOOKUP_MIN_TOKENS, SuffixOptions, SuffixProposer, SuffixState, lookup_else_model
 from quickdraft.drafts.trees import DynamicTree, grow_trees, ranks_on_part, tree_proposal
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.linear import DenseLinear
@@ -214,8 +217,9 @@ def shipped_head(target) -> Path | None:
 
 @dataclass
 class EagleOptions(SuffixOptions):
-    """eagle_lookup: take the suffix lookup's draft instead of the head's where it confidently fills all K
-    positions (the answer copies text), so eagle is not worse than lookups on copying; False: the head only.
+    """eagle_lookup: take the suffix lookup's draft instead of the head's where it has a confident match of at
+    least LOOKUP_MIN_TOKENS tokens (the answer copies text), so eagle is not worse than lookups on copying;
+    False: the head only.
     The suffix_decoding_* settings are that lookup's. (The head's directory is the common `model`: default, the
     head shipped for the target.)"""
 
@@ -236,14 +240,19 @@ class EagleState(DraftState):
     (the last one read stays, in case its row must be recomputed). The head's cache is not budgeted (kv_cache
     None: about 1/layers of the target's)."""
 
-    __slots__ = ("cache", "real", "feat_start", "feats", "suffix")
+    __slots__ = ("cache", "real", "feat_start", "feats", "suffix", "observed")
 
     def __init__(self, cache, suffix: SuffixState | None):
         self.cache, self.real, self.feat_start, self.feats, self.suffix = cache, 0, 0, None, suffix
+        # (start, features) the target gave since feats was last brought up to date (EagleProposer._settle): a step
+        # that does not draft only appends its rows here, with no tensor work (most steps, where drafting does not
+        # pay: a concatenation a step cost ~30 us in the engine's loop, 1% of a SmolLM2 token)
+        self.observed: list[tuple[int, torch.Tensor]] = []
 
     @property
     def nbytes(self) -> int:
-        return self.cache.nbytes + (0 if self.feats is None else self.feats.numel() * self.feats.element_size())
+        tensors = ([] if self.feats is None else [self.feats]) + [features for _, features in self.observed]
+        return self.cache.nbytes + sum(t.numel() * t.element_size() for t in tensors)
 
 
 class EagleProposer(Proposer):
@@ -312,26 +321,67 @@ class EagleProposer(Proposer):
             self.lookup.finish(state.suffix, seq)
         seq.draft_state = None
 
+    def _copy(self, seq) -> list[int]:
+        """The suffix lookup's draft for seq's history now where it is confident (empty: the head drafts), looked
+        up once a step."""
+        suffix = seq.draft_state.suffix
+        if suffix is None:
+            return []
+        draft = self.lookup.drafted(suffix, seq)
+        return draft if len(draft) >= LOOKUP_MIN_TOKENS else []
+
+    def prepare(self, seqs) -> None:
+        if self.lookup is not None:
+            for seq in seqs:
+                self._copy(seq)
+
+    def draft_kind(self, seq) -> str:
+        return "lookup" if self._copy(seq) else "model"
+
     def max_draft_tokens(self, seq) -> int:
-        return self.runner.max_len - len(seq.token_ids) + 1
+        draft = self._copy(seq)
+        return len(draft) if draft else self.runner.max_len - len(seq.token_ids) + 1
+
+    # Observed chunks kept apart at most this many steps (views of their steps' hidden states, which they keep).
+    MAX_OBSERVED = 32
 
     def observe(self, seq, start: int, features: torch.Tensor) -> None:
         state = seq.draft_state
         if features.shape[0] == 0:
             return
-        features = features.detach()
-        if state.feats is None or start < state.feat_start:
-            state.feats, state.feat_start = features, start
-        else:
-            kept = state.feats[: start - state.feat_start]
-            gap = start - state.feat_start - kept.shape[0]
-            if gap > 0:  # positions the target did not compute (a reused prefix): the head reads zeros there
-                kept = torch.cat([kept, kept.new_zeros(gap, kept.shape[1])])
-            state.feats = torch.cat([kept, features])
+        state.observed.append((start, features.detach()))
         state.real = min(state.real, start)
+        if len(state.observed) >= self.MAX_OBSERVED:
+            self._settle(state)
+
+    @staticmethod
+    def _settle(state: EagleState) -> None:
+        """Bring state.feats up to date with the chunks observed since, in one concatenation: each chunk replaces
+        the features from its start on (a rerun after a rollback), zeros filling positions the target did not
+        compute (a reused prefix: the head reads zeros there)."""
+        if not state.observed:
+            return
+        parts = [] if state.feats is None else [state.feats]
+        start0, length = state.feat_start, (0 if state.feats is None else state.feats.shape[0])
+        for start, features in state.observed:
+            if not parts or start < start0:
+                parts, start0, length = [features], start, features.shape[0]
+                continue
+            offset = start - start0
+            if offset < length:  # from `offset` on, the chunk's
+                parts, length = [torch.cat(parts)[:offset]], offset
+            elif offset > length:
+                parts.append(features.new_zeros(offset - length, features.shape[1]))
+                length = offset
+            parts.append(features)
+            length += features.shape[0]
+        state.feats = parts[0] if len(parts) == 1 else torch.cat(parts)
+        state.feat_start = start0
+        state.observed = []
 
     def _features(self, state: EagleState, first: int, last: int) -> torch.Tensor:
         """Target features of positions first..last-1 [n, hidden] (zeros where none was observed)."""
+        self._settle(state)
         out = torch.zeros(last - first, self.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
         if state.feats is not None:
             lo, hi = max(first, state.feat_start), min(last, state.feat_start + state.feats.shape[0])
@@ -364,19 +414,13 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def propose_batch(self, seqs, ks: list[int]) -> list[Proposal]:
-        def confident_copy(j: int) -> list[int]:  # a confident copy of all K positions beats the head
-            suffix = seqs[j].draft_state.suffix
-            if suffix is None:
-                return []
-            draft = self.lookup.lookup(suffix, seqs[j], ks[j])
-            return draft if len(draft) >= ks[j] else []
-
-        return lookup_else_model(seqs, ks, confident_copy, lambda heads: self._propose_by_head(seqs, ks, heads))[0]
+        return lookup_else_model(seqs, ks, lambda j: self._copy(seqs[j]),
+                                 lambda heads: self._propose_by_head(seqs, ks, heads))[0]
 
     @torch.inference_mode()
     def propose_tree_batch(self, seqs, budgets: list[TreeBudget]) -> list[Proposal]:
-        """A confident copy of the whole depth where the suffix index has one (a chain), else the head's EAGLE-2
-        tree within each budget (module docstring); a grammar-constrained sequence drafts a chain."""
+        """A confident copy where the suffix index has one (a chain), else the head's EAGLE-2 tree within each
+        budget (module docstring); a grammar-constrained sequence drafts a chain."""
         depth = [min(b.max_nodes, b.max_depth, self.max_draft_tokens(seq)) if b.max_nodes > 0 else 0
                  for seq, b in zip(seqs, budgets)]
         chains = [j for j, seq in enumerate(seqs) if depth[j] > 0 and seq.grammar is not None]
@@ -385,15 +429,7 @@ class EagleProposer(Proposer):
             for j, proposal in zip(chains, self.propose_batch([seqs[j] for j in chains], [depth[j] for j in chains])):
                 out[j] = proposal
         grown_ks = [0 if j in chains else d for j, d in enumerate(depth)]
-
-        def confident_copy(j: int) -> list[int]:
-            suffix = seqs[j].draft_state.suffix
-            if suffix is None:
-                return []
-            draft = self.lookup.lookup(suffix, seqs[j], grown_ks[j])
-            return draft if len(draft) >= grown_ks[j] else []
-
-        made, _ = lookup_else_model(seqs, grown_ks, confident_copy,
+        made, _ = lookup_else_model(seqs, grown_ks, lambda j: self._copy(seqs[j]),
                                     lambda heads: self._tree_by_head(seqs, depth, budgets, heads))
         return [made[j] if grown_ks[j] > 0 else out[j] for j in range(len(seqs))]
 

@@ -19,11 +19,7 @@ from dataclasses import dataclass
 
 from quickdraft.drafts.base import Proposal, Proposer
 from quickdraft.drafts.draft_model import DraftModelOptions, DraftModelProposer, DraftModelState
-from quickdraft.drafts.suffix import SuffixOptions, SuffixProposer, SuffixState, lookup_else_model
-
-# The shortest confident lookup draft taken instead of the model's: a single looked-up token would displace a
-# model draft of K tokens for at most one token (chosen, not tuned).
-LOOKUP_MIN_TOKENS = 2
+from quickdraft.drafts.suffix import LOOKUP_MIN_TOKENS, SuffixOptions, SuffixProposer, SuffixState, lookup_else_model
 
 
 @dataclass

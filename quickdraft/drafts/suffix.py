@@ -177,6 +177,11 @@ class SuffixProposer(Proposer):
         return out
 
 
+# The shortest confident lookup draft taken instead of a model's (model_lookup, eagle): a single looked-up token
+# would displace a model draft of K tokens for at most one token (chosen, not tuned).
+LOOKUP_MIN_TOKENS = 2
+
+
 def lookup_else_model(seqs, ks: list[int], confident_lookup: Callable[[int], list[int]],
                       propose_by_model: Callable[[list[int]], list[Proposal]]) -> tuple[list[Proposal], list[int]]:
     """Each sequence's proposal of at most ks[j] tokens (none where ks[j] is 0): the suffix lookup's draft where

@@ -159,19 +159,21 @@ def test_a_head_trained_in_the_test_learns_the_target(tmp_path):
 
 
 def test_lookup_takes_a_confident_copy(tmp_path):
-    """With eagle_lookup, a request whose text repeats is drafted by the suffix lookup where it fills all K
-    positions (the copy), and by the head otherwise."""
+    """With eagle_lookup, a request whose text repeats is drafted by the suffix lookup where it has a confident
+    match (the copy: a "lookup" step for adaptive K), and by the head otherwise (a "model" step)."""
     plain = _plain(tiny_llama16)
     llm = plain.with_speculative_config({"method": "eagle", "model": _head_dir(plain, tmp_path, range(48)),
                                          "num_speculative_tokens": 3, "adaptive": False})
     engine = llm.engine
     pattern = [11, 12, 13, 14, 15, 16, 17, 18]
     seq = engine.new_sequence(pattern * 3 + pattern[:4], SamplingParams(temperature=0, max_tokens=8))
+    assert llm.proposer.draft_kind(seq) == "lookup"
     proposal = llm.proposer.propose(seq, 3)
     assert llm.proposer.forwards == 0  # no head forward: the lookup drafted
     assert proposal.tokens.tolist() == pattern[4:7] and proposal.probs is None
     other = engine.new_sequence([1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=8))
     engine.step(other)  # the prompt (no draft), then a head draft: no text repeats
+    assert llm.proposer.draft_kind(other) == "model"
     assert llm.proposer.propose(other, 3).tokens.numel() == 3 and llm.proposer.forwards == 3
 
 

@@ -51,6 +51,30 @@ def test_greedy_chains_of_several_lengths_take_each_sequences_own_rows():
     assert [v.num_accepted for v in verdicts] == [0, 2, 2, 0]
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_chains_verified_on_the_host_equal_the_tensor_path(seed):
+    """On the CPU a step of greedy chains is verified on the host (_greedy_chains_on_host): the same verdicts as
+    the tensor path, from the logits or the runner's argmax, on batches where drafts often match their rows."""
+    gen = torch.Generator().manual_seed(seed)
+    size = 1 + seed * 3
+    lengths = torch.randint(0, 6, (size,), generator=gen).tolist()
+    drafts = [torch.randint(0, 3, (k,), generator=gen).tolist() for k in lengths]  # 3 tokens: many matches
+    batch = _batch(drafts)
+    logits = torch.randn(batch.num_rows, V, generator=gen)
+    logits[:, :3] += 2.0  # the argmax mostly among the drafts' tokens
+    for i, draft in enumerate(drafts):
+        if draft and i % 2 == 0:  # every other chain accepts its first draft at least
+            logits[batch.rows(i)[0], draft[0]] = 50.0
+    seqs = [_seq(SamplingParams(temperature=0)) for _ in drafts]
+    processed = process_rows(seqs, logits, batch)
+    on_host = verify_batch(seqs, processed, batch)
+    assert on_host.verdicts is not None  # the host path was taken
+    expected = verify_batch(seqs, processed, batch, on_host=False).to_host()
+    assert on_host.to_host() == expected
+    assert verify_batch(seqs, None, batch, target=logits.argmax(-1)).to_host() == expected
+    assert all(v.num_accepted >= 1 for i, v in enumerate(expected) if drafts[i] and i % 2 == 0)
+
+
 def test_rejection_sampled_chains_equal_each_sequence_verified_alone_with_its_own_generator():
     """A batch mixing sampled chains with a draft's q, deterministic drafts and none: each sequence's result is
     what verify.rejection_sample gives it alone with a generator in the same state (its draws are its own)."""

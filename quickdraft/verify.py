@@ -89,6 +89,22 @@ def greedy_accept(target_tokens: torch.Tensor, draft_tokens: torch.Tensor, num_d
     return num_accepted, target_tokens[layout.row_starts + num_accepted]
 
 
+def greedy_accept_on_host(target_tokens: list[int], draft_tokens: list[int], cu_num_rows: list[int],
+                          cu_num_draft_tokens: list[int]) -> list[tuple[int, int]]:
+    """greedy_accept over host lists (the step's rows already read back): for each sequence i, whose k_i drafts
+    are draft_tokens[cu_num_draft_tokens[i]:cu_num_draft_tokens[i + 1]] and whose k_i + 1 rows start at
+    cu_num_rows[i], (num_accepted, next_token): its longest prefix of drafts equal to its rows' tokens, and the
+    token of the row after that prefix (a correction, or the bonus)."""
+    out = []
+    for i in range(len(cu_num_rows) - 1):
+        row, first, k = cu_num_rows[i], cu_num_draft_tokens[i], cu_num_draft_tokens[i + 1] - cu_num_draft_tokens[i]
+        n = 0
+        while n < k and draft_tokens[first + n] == target_tokens[row + n]:
+            n += 1
+        out.append((n, target_tokens[row + n]))
+    return out
+
+
 def relaxed_greedy_accepts(logits: torch.Tensor, draft_tokens: torch.Tensor, threshold: float) -> torch.Tensor:
     """LOSSY: whether each draft token x of a greedy request passes the relaxed test p(x) >= threshold * max p,
     p the softmax of the target's processed logits (greedy decoding's counterpart of relaxed_accepts: the

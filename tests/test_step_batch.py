@@ -7,6 +7,7 @@ import torch
 
 from conftest import tiny_llama
 from quickdraft import LLM, SamplingParams, verify
+from quickdraft.step import verification
 from quickdraft.step_batch import StepBatch
 
 V = 32
@@ -72,21 +73,28 @@ def _spy(monkeypatch, name):
     return calls
 
 
-def test_a_step_mixing_a_prompt_three_drafts_and_a_finishing_sequence(monkeypatch):
+@pytest.mark.parametrize("on_host", [False, True], ids=["tensors", "host"])
+def test_a_step_mixing_a_prompt_three_drafts_and_a_finishing_sequence(monkeypatch, on_host):
     """One engine step over a sequence reading its prompt (k = 0), one drafting 3 and one whose max_tokens leave
-    it one token (k = 0, it finishes): verify.greedy_accept sees that layout, and every sequence's text is plain
-    greedy text."""
+    it one token (k = 0, it finishes): verify.greedy_accept sees that layout (greedy_accept_on_host where the CPU
+    verifies greedy chains on the host), and every sequence's text is plain greedy text."""
+    monkeypatch.setattr(verification, "GREEDY_CHAINS_ON_HOST", on_host)
     llm = _llm()
     engine = llm.engine
     drafting = engine.new_sequence(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20))
     finishing = engine.new_sequence(PROMPTS[1], SamplingParams(temperature=0, max_tokens=2))
     engine.step_batch([drafting, finishing])  # both read their prompts
     reading = engine.new_sequence(PROMPTS[2], SamplingParams(temperature=0, max_tokens=20))
-    calls = _spy(monkeypatch, "greedy_accept")
+    calls = _spy(monkeypatch, "greedy_accept_on_host" if on_host else "greedy_accept")
     committed = engine.step_batch([reading, drafting, finishing])
-    (target_tokens, draft_tokens, num_draft_tokens, passes), = calls
-    assert num_draft_tokens == [0, 3, 0] and passes is None
-    assert target_tokens.shape == (6,) and draft_tokens.shape == (3,)
+    if on_host:
+        (target_tokens, draft_tokens, cu_num_rows, cu_num_draft_tokens), = calls
+        assert cu_num_draft_tokens == [0, 0, 3, 3] and cu_num_rows == [0, 1, 5, 6]
+        assert len(target_tokens) == 6 and len(draft_tokens) == 3
+    else:
+        (target_tokens, draft_tokens, num_draft_tokens, passes), = calls
+        assert num_draft_tokens == [0, 3, 0] and passes is None
+        assert target_tokens.shape == (6,) and draft_tokens.shape == (3,)
     assert finishing.finished and finishing.finish_reason == "length" and len(committed[2]) == 1
     assert len(committed[0]) == 1 and 1 <= len(committed[1]) <= 4
     while not (reading.finished and drafting.finished):
@@ -119,7 +127,9 @@ def test_greedy_and_seeded_sequences_share_one_greedy_accept_and_the_others_are_
 
 def test_a_defect_planted_in_greedy_accept_reaches_the_output(monkeypatch):
     """The real path's greedy matching is verify.greedy_accept: accepting every draft (a defect) changes the text
-    (the draft model has other weights), and the honest rule gives plain greedy text."""
+    (the draft model has other weights), and the honest rule gives plain greedy text. (The tensor path: on the CPU
+    greedy chains are verified on the host unless told otherwise, the next test.)"""
+    monkeypatch.setattr(verification, "GREEDY_CHAINS_ON_HOST", False)
     sp = SamplingParams(temperature=0, max_tokens=16)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     plain = _plain(PROMPTS, sp)
@@ -131,6 +141,22 @@ def test_a_defect_planted_in_greedy_accept_reaches_the_output(monkeypatch):
         return ks, target_tokens[bonus_rows]
 
     monkeypatch.setattr(verify, "greedy_accept", accept_everything)
+    assert [o.outputs[0].token_ids for o in _llm().generate(prompts, sp)] != plain
+
+
+def test_a_defect_planted_in_greedy_accept_on_host_reaches_the_output(monkeypatch):
+    """The CPU's greedy chains are matched by verify.greedy_accept_on_host: accepting every draft there changes
+    the text, and the honest rule gives plain greedy text."""
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    plain = _plain(PROMPTS, sp)
+    assert [o.outputs[0].token_ids for o in _llm().generate(prompts, sp)] == plain
+
+    def accept_everything(target_tokens, draft_tokens, cu_num_rows, cu_num_draft_tokens):
+        return [(hi - lo, target_tokens[cu_num_rows[i + 1] - 1])
+                for i, (lo, hi) in enumerate(zip(cu_num_draft_tokens, cu_num_draft_tokens[1:]))]
+
+    monkeypatch.setattr(verify, "greedy_accept_on_host", accept_everything)
     assert [o.outputs[0].token_ids for o in _llm().generate(prompts, sp)] != plain
 
 

@@ -261,33 +261,33 @@ def _tree_rejection_sampled(seq: Sequence, batch: StepBatch, processed: torch.Te
     return verify_tree.tree_rejection_sample(tree, processed[lo:hi], batch.draft_probs[i], seq.generator)
 
 
+# Whether verify_batch verifies a step of greedy chains on the CPU on the host (verify.greedy_accept_on_host);
+# False: as tensors (verify.greedy_accept) wherever it runs (tests compare the two, and test the engine on each).
+GREEDY_CHAINS_ON_HOST = True
+
+
 def _greedy_chains_on_host(target: torch.Tensor, batch: StepBatch) -> StepVerdict:
-    """greedy_accept's verdicts made on the host, for a step of greedy chains whose rows are on the CPU: the
-    target's tokens and the drafts read once, each chain's longest prefix equal to its rows' tokens, then the
-    token of the row after it. (The tensor path's ~15 small operations took ~0.35 ms a step in the engine's loop
-    at one sequence on a 2-core CPU, a twelfth of a SmolLM2 token; this, a few microseconds a sequence.)"""
-    targets, drafts = target.tolist(), batch.draft_token_ids.tolist()
-    cu_rows, cu_drafts = batch.cu_num_rows, batch.cu_num_draft_tokens
-    out = []
-    for i in range(batch.batch_size):
-        row, first, k = cu_rows[i], cu_drafts[i], cu_drafts[i + 1] - cu_drafts[i]
-        n = 0
-        while n < k and drafts[first + n] == targets[row + n]:
-            n += 1
-        out.append(Verdict(n, drafts[first: first + n] + [targets[row + n]], list(range(n))))
-    return StepVerdict(None, None, None, out)
+    """A step of greedy chains whose rows are on the CPU, verified on the host: the target's tokens and the drafts
+    read once, then verify.greedy_accept_on_host. (The tensor path's ~15 small operations took ~0.35 ms a step in
+    the engine's loop at one sequence on a 2-core CPU, a twelfth of a SmolLM2 token; this, a few microseconds a
+    sequence.)"""
+    drafts = batch.draft_token_ids.tolist()
+    cu_drafts = batch.cu_num_draft_tokens
+    accepted = verify.greedy_accept_on_host(target.tolist(), drafts, batch.cu_num_rows, cu_drafts)
+    return StepVerdict(None, None, None, [Verdict(n, drafts[first: first + n] + [token], list(range(n)))
+                                          for (n, token), first in zip(accepted, cu_drafts)])
 
 
 def verify_batch(seqs: list[Sequence], processed: torch.Tensor | None, batch: StepBatch,
                  relaxed_threshold: float | None = None, target: torch.Tensor | None = None,
-                 on_host: bool = True) -> StepVerdict:
+                 on_host: bool | None = None) -> StepVerdict:
     """Every sequence of the step verified by the rule of its kind (the module docstring), as tensors.
 
     processed: [num_rows, V], process_rows' output. relaxed_threshold: the LOSSY relaxed acceptance's (chains
     only), None (exact) by default. target: [num_rows] each row's argmax where the runner gave it in place of the
     logits (Runner.forward_batch's argmax_only: every sequence greedy with nothing to process); processed is then
-    None. on_host: a step of greedy chains on the CPU is verified on the host (_greedy_chains_on_host: the same
-    verdicts); False, as tensors wherever it runs (the tests compare the two)."""
+    None. on_host: whether a step of greedy chains on the CPU is verified on the host (_greedy_chains_on_host: the
+    same verdicts); None: GREEDY_CHAINS_ON_HOST."""
     greedy = all(seq.params.greedy for seq in seqs)
     if target is None:
         target = sampling.argmax_rows(processed)  # the target's own token at every greedy row
@@ -298,8 +298,8 @@ def verify_batch(seqs: list[Sequence], processed: torch.Tensor | None, batch: St
     if batch.num_rows == size and greedy:  # plain greedy decoding: the argmax
         return StepVerdict(None, target[:, None], None)
     trees = batch.trees
-    if on_host and greedy and relaxed_threshold is None and device.type == "cpu" and \
-            all(tree is None for tree in trees):
+    on_host = GREEDY_CHAINS_ON_HOST if on_host is None else on_host
+    if on_host and greedy and relaxed_threshold is None and device.type == "cpu" and all(t is None for t in trees):
         return _greedy_chains_on_host(target, batch)
     matched = [seq.params.greedy or seq.noise_key is not None for seq in seqs]
     chains = [i for i in range(size) if trees[i] is None]

@@ -176,7 +176,18 @@ def test_check_fails_when_greedy_accepts_one_draft_too_many(monkeypatch):
         accepted = torch.where(accepted < layout.num_draft_tokens, accepted + 1, accepted)
         return accepted, target_tokens[layout.row_starts + accepted]
 
+    greedy_accept_on_host = verify.greedy_accept_on_host
+
+    def one_draft_too_many_on_host(target_tokens, draft_tokens, cu_num_rows, cu_num_draft_tokens):
+        # the same defect where the CPU verifies greedy chains on the host
+        out = []
+        for i, (n, _) in enumerate(greedy_accept_on_host(target_tokens, draft_tokens, cu_num_rows, cu_num_draft_tokens)):
+            n = min(n + 1, cu_num_draft_tokens[i + 1] - cu_num_draft_tokens[i])
+            out.append((n, target_tokens[cu_num_rows[i] + n]))
+        return out
+
     monkeypatch.setattr(verify, "greedy_accept", one_draft_too_many)
+    monkeypatch.setattr(verify, "greedy_accept_on_host", one_draft_too_many_on_host)
     report = _check("draft_model")
     print("\n" + report.render())
     assert not report.passed

@@ -205,7 +205,7 @@ class Engine:
             batch = StepBatch.build(drafts, [proposal.probs for proposal in proposals],
                                     [proposal.tree for proposal in proposals])
         else:  # a plain step: every proposal is the same empty one
-            drafts = [proposals[0].tokens] * len(seqs)
+            drafts = None
             batch = StepBatch.plain(len(seqs), proposals[0].tokens)
         ks = batch.num_draft_tokens
         draft_forwards = proposer.forwards - forwards_before
@@ -255,14 +255,15 @@ class Engine:
         return self._commit(seqs, batch, proposals, kinds, chosen, caches, histories, feeds, verdicts, step_logprobs,
                             draft_forwards, timing)
 
-    def _feeds(self, seqs: list[Sequence], drafts: list[torch.Tensor]
+    def _feeds(self, seqs: list[Sequence], drafts: list[torch.Tensor] | None
                ) -> tuple[list, list[torch.Tensor], list[int]]:
         """Each sequence's cache (synced to its history), its feed (what the cache lacks of the history, then
-        its drafts) and its history's length. The history parts and the drafts made on the host (lookups) come
-        from one host-to-device copy (from pinned memory, not waited for, on a GPU); a draft made on the device
-        (a draft model's there) is joined to its feed on the device, with no host read."""
+        its drafts; drafts None: a plain step's, none) and its history's length. The history parts and the drafts
+        made on the host (lookups) come from one host-to-device copy (from pinned memory, not waited for, on a
+        GPU); a draft made on the device (a draft model's there) is joined to its feed on the device, with no host
+        read."""
         caches, bounds, histories, host, on_device = [], [0], [], [], {}
-        for i, (seq, draft) in enumerate(zip(seqs, drafts)):
+        for i, seq in enumerate(seqs):
             history = seq.token_ids
             cache = seq.target_cache
             mark = seq.cache_mark
@@ -276,7 +277,8 @@ class Engine:
             caches.append(cache)
             histories.append(len(history))
             host += history[start:]
-            if draft.numel():
+            draft = drafts[i] if drafts is not None else None
+            if draft is not None and draft.numel():
                 if draft.device.type == "cpu":
                     host += draft.tolist()
                 else:

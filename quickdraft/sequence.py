@@ -313,20 +313,14 @@ class Sequence:
             count = self._end_of_step(steps, room, stops, eos)
         taken = steps[:count] if count < len(steps) else steps
         # Provenance: draft position i for an accepted draft, then the target's token (a bonus or a correction).
+        codes = list(range(min(count, num_drafts)))
+        if count > num_drafts:
+            codes.append(TARGET_TOKEN if num_drafts == num_proposed else correction_code(num_drafts))
+        self.provenance.extend(codes)
         metrics = self.metrics
-        if not num_drafts and count:  # a plain step, or every draft rejected
-            code = TARGET_TOKEN if num_proposed == 0 else correction_code(0)
-            self.provenance.append(code)
-            if code != TARGET_TOKEN:
+        for code in codes:
+            if code != TARGET_TOKEN:  # the target's own token with no rejection before it counts nothing
                 metrics.count_emitted(code)
-        else:
-            codes = list(range(min(count, num_drafts)))
-            if count > num_drafts:
-                codes.append(TARGET_TOKEN if num_drafts == num_proposed else correction_code(num_drafts))
-            self.provenance.extend(codes)
-            for code in codes:
-                if code != TARGET_TOKEN:  # the target's own token with no rejection before it counts nothing
-                    metrics.count_emitted(code)
         self.output_ids.extend(taken)
         self._token_ids.extend(taken)
         if self.logprobs is not None and logprobs is not None:

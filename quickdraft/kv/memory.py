@@ -180,8 +180,7 @@ class KVMemory:
                     cache.store_prefix()
             for cache_of, prefix in kept:
                 cache = cache_of(seq)
-                # PrefixCache.has_new_blocks, inlined: asked of every sequence every step
-                if cache is not None and len(cache) // BLOCK_SIZE > len(cache.block_digests):
+                if cache is not None and prefix.has_new_blocks(cache):
                     prefix.store(cache)
 
     # --- requests ----------------------------------------------------------------------------------------------

@@ -39,11 +39,11 @@ class _Adopted:
 
     __slots__ = ("keys", "values", "packed_keys", "nbytes", "digests")
 
-    def __init__(self, cache: StaticSequenceCache, nbytes: int):
+    def __init__(self, cache: StaticSequenceCache, nbytes: int, digests: list[bytes]):
         self.keys, self.values = cache.keys, cache.values
         self.packed_keys = cache.runner.packed_keys
         self.nbytes = nbytes  # what it counts against the pool or the cap
-        self.digests: list[bytes] = []  # the kept blocks that live here
+        self.digests = digests  # the kept blocks that live here
 
     def block(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return block_views(self.keys, self.values, self.packed_keys, index)
@@ -166,8 +166,7 @@ class PrefixCache:
             self.pool.transfer(cache, self)  # the cache's release then gives back nothing
         else:
             nbytes = cache.nbytes
-        adopted = _Adopted(cache, nbytes)
-        adopted.digests = owned
+        adopted = _Adopted(cache, nbytes, owned)
         for digest in owned:
             self._blocks[digest] = (adopted, self._blocks[digest][1])
         self._adopted[id(adopted)] = adopted

@@ -48,7 +48,8 @@ class Verdict(NamedTuple):
 class StepVerdict:
     """Every sequence's verification on the device: num_accepted [B]; tokens [B, W] (W = the longest chain or
     tree depth + 1): each row's accepted drafts then the target's token, -1 after; nodes [B, W - 1]: the accepted
-    tree nodes in path order, -1 after (None when the step has no tree)."""
+    tree nodes in path order, -1 after (None when the step has no tree). Or, where the step's greedy chains were
+    verified on the host (_greedy_chains_on_host), their verdicts as they are."""
 
     num_accepted: torch.Tensor | None  # None: a plain step's (no drafts; every count 0)
     tokens: torch.Tensor | None  # None where the verdicts were made on the host

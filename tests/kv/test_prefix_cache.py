@@ -128,8 +128,7 @@ def test_keeping_a_block_copies_nothing():
     assert prefix._blocks[cache.block_digests[1]] == (cache, 1)
     prefix.adopt(cache)
     cache.release()  # what a finished sequence's cache does: its tensors are kept only by the prefix cache
-    holder, index = prefix._blocks[cache.block_digests[1]] if cache.block_digests else (None, None)
-    assert cache.keys is None and holder is None  # the released cache forgot its digests
+    assert cache.keys is None and cache.block_digests == []  # the released cache forgot its tensors and digests
     (adopted,) = prefix._adopted.values()
     assert adopted.keys is keys and adopted.values is values
     loaded = runner.new_cache()

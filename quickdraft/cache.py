@@ -19,6 +19,9 @@ class SequenceCache:
         self._token_ids: list[int] = []
         self._pending: list[torch.Tensor] = []  # device tensors appended but not yet read back to the host
         self._num_pending = 0  # their tokens (len() is asked several times a step of every cache)
+        # The length its sequence will likely reach, step rows included (0: unknown): a cache that grows by
+        # copying may allocate toward it at once (kv.static_cache); others ignore it.
+        self.length_hint = 0
 
     def _new_kv(self):
         """The structure that holds the keys and values (transformers' cache here; subclasses keep their own)."""
@@ -44,9 +47,16 @@ class SequenceCache:
 
     def record(self, tokens: torch.Tensor) -> None:
         """Note tokens whose keys and values the model just appended (kept on the device until needed)."""
-        tokens = tokens.reshape(-1)
+        if tokens.dim() != 1:  # a feed's view is [n] already (this runs for every cache every step)
+            tokens = tokens.reshape(-1)
         self._pending.append(tokens)
         self._num_pending += tokens.shape[0]
+
+    def record_ids(self, token_ids: list[int]) -> None:
+        """record() of tokens already on the host (a CPU runner reads a forward's ids once for every cache)."""
+        if self._pending:
+            self.token_ids  # noqa: B018 (the device tensors before them are read first, in order)
+        self._token_ids.extend(token_ids)
 
     def rollback(self, length: int) -> None:
         """Forget every position >= length."""

@@ -79,8 +79,12 @@ class Detokenizer:
     _ids: list[int] = field(init=False, default_factory=list)  # the deferred tokens (defer)
     _pending: deque = field(init=False, default_factory=deque)  # TextDeltas not decoded yet, in step order
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    # Whether the text must be made as the tokens commit: stop strings end the sequence by its text. (Read for
+    # every sequence every step: kept, not derived from params then.)
+    eager: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
+        self.eager = bool(self.params.stop_list)
         if self.tokenizer is None and self.params.stop_list:
             raise QuickdraftError(
                 f"stop strings {self.params.stop_list!r} need a tokenizer to find them in the text, and this "
@@ -95,11 +99,6 @@ class Detokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
-
-    @property
-    def eager(self) -> bool:
-        """Whether the text must be made as the tokens commit: stop strings end the sequence by its text."""
-        return bool(self.params.stop_list)
 
     @property
     def text(self) -> str:

@@ -130,7 +130,7 @@ class Engine:
         params = seq.params
         if params.prompt_logprobs is not None and len(seq.prompt_ids) == 1:
             seq.prompt_logprobs = [None]  # a one-token prompt has nothing to score
-        seq.target_cache = self.target.new_cache()
+        seq.target_cache = self._new_target_cache(seq)
         seq.metrics.num_speculative_tokens = self.k
         seq.relaxed = seq.metrics.lossy = self.relaxed_threshold is not None and self.k > 0
         if seq.penalties is not None:
@@ -143,12 +143,18 @@ class Engine:
         """The scheduler is done with seq's caches (their KV blocks are given back already): its target cache
         goes; the proposer releases its draft state (preempted: a fresh one, the sequence reruns from its whole
         history); a finished sequence gives its penalty row back."""
-        seq.target_cache = self.target.new_cache()
+        seq.target_cache = self._new_target_cache(seq)
         seq.cache_mark = None
         self.proposer.release(seq, preempted=preempted)
         if not preempted and seq.penalties is not None:
             seq.penalties.release()
             seq.penalties = None
+
+    def _new_target_cache(self, seq: Sequence):
+        """An empty target cache told the length seq will reach: its last step may write K + 1 rows past it."""
+        cache = self.target.new_cache()
+        cache.length_hint = seq.max_length + self.max_step_drafts + 1
+        return cache
 
     def new_sequence(self, prompt_ids: list[int], params: SamplingParams,
                      generator: torch.Generator | None = None, noise_key: int | None = None) -> Sequence:
@@ -218,11 +224,12 @@ class Engine:
         # A sequence that asked for prompt_logprobs scores every prompt row in its first forward (its feed is
         # the whole prompt then: the scheduler loads no cached prefix for it).
         prompt_rows = [int(feed.numel()) - 1 if seq.wants_prompt_logprobs and k == 0 else 0
-                       for seq, feed, k in zip(seqs, feeds, ks)]
-        num_logits = [k + 1 + extra for k, extra in zip(ks, prompt_rows)]
+                       for seq, feed, k in zip(seqs, feeds, ks)] if any(seq.wants_prompt_logprobs for seq in seqs) else None
+        scores_prompts = prompt_rows is not None and any(prompt_rows)
+        num_logits = [k + 1 + extra for k, extra in zip(ks, prompt_rows)] if scores_prompts else [k + 1 for k in ks]
         # Where every row is verified by its argmax (no sampling, nothing that processes its logits) and no one
         # reads its logprobs, the runner gives the argmax alone, which it may compute without writing the logits.
-        argmax_only = self.relaxed_threshold is None and not any(prompt_rows) and \
+        argmax_only = self.relaxed_threshold is None and not scores_prompts and \
             all(reads_argmax_only(seq) and seq.params.logprobs is None for seq in seqs)
         if argmax_only:
             forward_kwargs["argmax_only"] = True
@@ -231,7 +238,7 @@ class Engine:
             logits, hidden = self.target.forward_batch(caches, feeds, num_logits, return_hidden=True, **forward_kwargs)
         else:  # [sum(num_logits), V], or argmax_only [sum(num_logits)]
             logits = self.target.forward_batch(caches, feeds, num_logits, **forward_kwargs)
-        if any(prompt_rows):
+        if scores_prompts:
             logits = self._record_prompt_logprobs(seqs, feeds, histories, logits, num_logits, prompt_rows)
         t2 = time.perf_counter()
 

@@ -51,7 +51,7 @@ class SequenceSetup:
     grammar: GrammarState | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceUpdate:
     """What one step produced for one completion of a request. Its text (text_delta) is decoded when first read
     where the request has no stop strings (detokenize.TextDelta): a consumer on another thread (a server's event
@@ -214,9 +214,10 @@ class Scheduler:
                 metrics.first_token_time_s = elapsed
             metrics.wall_time_s = elapsed
             reason = seq.finish_reason
+            logprobs, prompt_logprobs = seq.logprobs, seq.prompt_logprobs  # what a stop string left of the step's
             updates.append(SequenceUpdate(request.request_id, index, tokens, delta, reason is not None, reason,
-                                          seq.logprobs[first:] if seq.logprobs is not None else None,
-                                          seq.prompt_logprobs if first == 0 else None))
+                                          logprobs[first:] if logprobs is not None else None,
+                                          prompt_logprobs if first == 0 else None))
             if reason is not None:
                 finished = True
                 self._free(seq)

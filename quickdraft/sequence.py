@@ -121,6 +121,17 @@ class RequestMetrics:
             self._bump("proposed_per_position", depth, 1)
         self._bump("accepted_path_lengths", path_length, 1)
 
+    def count_accepted(self, num_accepted: int) -> None:
+        """Count accepted drafts at positions 0..num_accepted-1 (count_emitted of each, at once)."""
+        if num_accepted:
+            self.accepted_tokens += num_accepted
+            for name in ("accepted_per_position", "reached_per_position"):
+                counts = getattr(self, name)
+                if num_accepted > len(counts):
+                    counts.extend([0] * (num_accepted - len(counts)))
+                for position in range(num_accepted):
+                    counts[position] += 1
+
     def count_emitted(self, code: int, delta: int = 1) -> None:
         """Count (delta=1) or uncount (delta=-1) one output token of the given provenance."""
         if code >= 0:
@@ -254,6 +265,11 @@ class Sequence:
         return self.finish_reason is not None
 
     @property
+    def max_length(self) -> int:
+        """Prompt plus max_tokens: the most tokens the sequence holds when it ends (its caches' length hint)."""
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
     def needs_draft_probs(self) -> bool:
         """Whether verification reads the q a draft token was drawn from: sampled rows under rejection
         sampling, and seeded rows under the relaxed test p(x) >= threshold * q(x). Greedy rows, and seeded rows
@@ -313,13 +329,17 @@ class Sequence:
             count = self._end_of_step(steps, room, stops, eos)
         taken = steps[:count] if count < len(steps) else steps
         # Provenance: draft position i for an accepted draft, then the target's token (a bonus or a correction).
-        codes = list(range(min(count, num_drafts)))
-        if count > num_drafts:
-            codes.append(TARGET_TOKEN if num_drafts == num_proposed else correction_code(num_drafts))
-        self.provenance.extend(codes)
         metrics = self.metrics
-        for code in codes:
-            if code != TARGET_TOKEN:  # the target's own token with no rejection before it counts nothing
+        if num_drafts:
+            accepted = min(count, num_drafts)
+            self.provenance.extend(range(accepted))
+            metrics.count_accepted(accepted)
+        if count > num_drafts:
+            if num_drafts == num_proposed:  # the target's own token with no rejection before it counts nothing
+                self.provenance.append(TARGET_TOKEN)
+            else:
+                code = correction_code(num_drafts)
+                self.provenance.append(code)
                 metrics.count_emitted(code)
         self.output_ids.extend(taken)
         self._token_ids.extend(taken)

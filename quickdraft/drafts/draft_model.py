@@ -28,6 +28,7 @@ from quickdraft.drafts.base import DraftOptions, Proposal, Proposer, TreeBudget
 from quickdraft.drafts.trees import DynamicTree, grow_trees, tree_proposal
 from quickdraft.drafts.vocab_mapping import IdentityMapping, IntersectionMapping, Translation, same_vocabulary
 from quickdraft.errors import QuickdraftError
+from quickdraft.kv.pool import BLOCK_SIZE
 from quickdraft.models.base import QUANTIZATION_SCHEMES
 from quickdraft.models.base import Runner
 from quickdraft.sequence import DraftState
@@ -142,7 +143,10 @@ class DraftModelProposer(Proposer):
         return self.mapping.reads_target_tokens
 
     def new_state(self, seq) -> DraftModelState:
-        return DraftModelState(self.runner.new_cache(), self.mapping.new_translation())
+        cache = self.runner.new_cache()
+        # A rough length (another tokenizer counts otherwise) plus a step's drafts: grown past it if need be.
+        cache.length_hint = seq.max_length + BLOCK_SIZE
+        return DraftModelState(cache, self.mapping.new_translation())
 
     def draft_history(self, seq) -> list[int]:
         return self.mapping.history(seq, seq.draft_state.translation)

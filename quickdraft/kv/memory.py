@@ -173,14 +173,15 @@ class KVMemory:
         kept = [(c.cache_of, prefix) for c, prefix in zip(self.counted, self.prefix_caches) if prefix is not None]
         if not shared and not kept:
             return
-        for seq in seqs:
-            for cache_of in shared:
+        for cache_of in shared:
+            for seq in seqs:
                 cache = cache_of(seq)
                 if cache is not None:
                     cache.store_prefix()
-            for cache_of, prefix in kept:
-                cache = cache_of(seq)
-                if cache is not None and prefix.has_new_blocks(cache):
+        for cache_of, prefix in kept:
+            has_new_blocks = prefix.has_new_blocks
+            for cache in map(cache_of, seqs):
+                if cache is not None and has_new_blocks(cache):
                     prefix.store(cache)
 
     # --- requests ----------------------------------------------------------------------------------------------

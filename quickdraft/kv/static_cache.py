@@ -29,11 +29,16 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
     back only shortens the token list (SequenceCache.rollback): later writes overwrite the rejected positions.
 
     Growth is block-granular: the capacity is a multiple of 16 positions and grows by max(64 positions, 25%),
-    capped at the runner's max_len, keeping the contents. With a KV pool attached (the scheduler's memory
-    budget) the cache asks the pool first and holds exactly what it granted: between what was asked for and
-    the policy's size, or KVPoolFull."""
+    capped at the runner's max_len, keeping the contents. Growing copies what the cache holds (at 64 sequences
+    of a few hundred positions, about one such copy a step, ~0.5 ms of host time on a 2-core CPU), so with no
+    budget a cache that knows the length its sequence will reach (`length_hint`: prompt + max_tokens + a step's
+    rows) allocates up to it at once, at most HINT_AHEAD positions past what is needed. With a KV pool attached
+    (the scheduler's memory budget) the hint is not used, since room held ahead is room another sequence
+    cannot be admitted to; the cache asks the pool first and holds exactly what it granted: between what was
+    asked for and the policy's size, or KVPoolFull."""
 
     BLOCK = BLOCK_SIZE
+    HINT_AHEAD = 1024  # positions a hint may allocate past the current need (max_tokens may be far from used)
 
     def __init__(self, runner: Any):  # a runner of quickdraft.models.decoder (it declares the layout)
         super().__init__()
@@ -74,6 +79,8 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
         want = min(max(need, round_up(self.capacity + max(64, self.capacity // 4), self.BLOCK)), limit)
         if self.pool is not None:
             want = self.pool.grant(self, self.bytes_per_token, need, want)  # raises KVPoolFull below `need`
+        elif self.length_hint > want:
+            want = min(round_up(min(self.length_hint, need + self.HINT_AHEAD), self.BLOCK), limit)
         self._resize(want)
 
     def _allocate(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +107,8 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
         self.keys, self.values = keys, values
 
     def rollback(self, length: int) -> None:
+        if length == len(self):  # nothing to drop (asked of every cache every step)
+            return
         super().rollback(length)
         del self.block_digests[length // self.BLOCK:]
 

@@ -191,18 +191,20 @@ def check_batch(runner: Runner, caches: list, tokens: list, num_logits: list) ->
     if len({id(cache) for cache in caches}) != len(caches):
         raise QuickdraftError(f"{runner.name}: forward_batch got the same cache twice; each sequence has its own")
     flat = []
+    max_len = runner.max_len
     for i, (cache, ids, k) in enumerate(zip(caches, tokens, num_logits)):
-        ids = torch.as_tensor(ids).reshape(-1)  # [n_i]
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+            ids = torch.as_tensor(ids).reshape(-1)  # [n_i]
         n = ids.shape[0]
-        which = f" (sequence {i} of the batch)" if len(caches) > 1 else ""
-        if n == 0:
-            raise QuickdraftError(f"{runner.name}: no tokens to append{which}; each sequence needs at least one")
-        if not 0 <= int(k) <= n:
-            raise QuickdraftError(f"{runner.name}: num_logits {int(k)} of a sequence of {n} new tokens{which}; it must "
-                                  f"be in [0, {n}]")
-        if len(cache) + n > runner.max_len:
+        if n == 0 or not 0 <= k <= n or len(cache) + n > max_len:  # asked of every sequence every step: once
+            which = f" (sequence {i} of the batch)" if len(caches) > 1 else ""
+            if n == 0:
+                raise QuickdraftError(f"{runner.name}: no tokens to append{which}; each sequence needs at least one")
+            if not 0 <= k <= n:
+                raise QuickdraftError(f"{runner.name}: num_logits {int(k)} of a sequence of {n} new tokens{which}; "
+                                      f"it must be in [0, {n}]")
             raise QuickdraftError(f"{runner.name}: sequence of {len(cache) + n} tokens exceeds the context of "
-                                  f"{runner.max_len}{which}; shorten the prompt or max_tokens")
+                                  f"{max_len}{which}; shorten the prompt or max_tokens")
         flat.append(ids)
     return flat
 

@@ -201,8 +201,14 @@ class DecoderRunner:
         else:
             x = self._input_rows(ids)  # [num_tokens, hidden]
         x = layers(x, caches, starts, counts, trees)
-        for cache, part in zip(caches, ids.split(counts) if len(caches) > 1 else (ids,)):
-            cache.record(part)
+        if ids.device.type == "cpu":  # the ids read once for every cache: no device tensor to keep per cache
+            values, lo = ids.tolist(), 0
+            for cache, count in zip(caches, counts):
+                cache.record_ids(values[lo:lo + count])
+                lo += count
+        else:
+            for cache, part in zip(caches, ids.split(counts) if len(caches) > 1 else (ids,)):
+                cache.record(part)
         self.forwards += 1
         hidden = None
         if return_hidden:  # every row normed (a row is normed alike alone or among others), then selected
@@ -211,6 +217,8 @@ class DecoderRunner:
         # The final norm and the output head on the selected rows only: the last num_logits[i] of sequence i.
         if len(caches) == 1:
             rows = x[counts[0] - int(num_logits[0]):]
+        elif counts == list(num_logits):  # every row (a decode step's): no selection
+            rows = x
         else:
             bounds = [0]
             for count in counts:

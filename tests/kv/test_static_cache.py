@@ -71,3 +71,50 @@ def test_rollback_keeps_the_tensors_and_cuts_the_prefix_digests():
     assert cache.block_digests == [b"first"]  # the second block is no longer full
     cache.release()
     assert len(cache) == 0 and cache.capacity == 0 and cache.nbytes == 0
+
+
+def test_a_length_hint_allocates_the_sequence_at_once_but_not_under_a_pool():
+    runner = LLM(tiny_llama(seed=0)).target  # max_len 256
+    cache = runner.new_cache()
+    cache.length_hint = 150  # a prompt of ~40 and max_tokens ~100, plus a step's rows
+    cache.reserve(40)
+    assert cache.capacity == 160  # the hint, block-rounded: decoding to it copies nothing
+    cache.reserve(150)
+    assert cache.capacity == 160
+    cache.reserve(170)
+    assert cache.capacity == 224  # past the hint: the policy's growth (+ max(64, 25%))
+    far = runner.new_cache()
+    far.length_hint = 10_000
+    far.reserve(10)
+    assert far.capacity == 256  # capped at max_len
+    StaticSequenceCache.HINT_AHEAD, ahead = 64, StaticSequenceCache.HINT_AHEAD
+    try:
+        near = runner.new_cache()
+        near.length_hint = 250
+        near.reserve(20)
+        assert near.capacity == 96  # at most HINT_AHEAD positions past what is needed (20 + 64, block-rounded)
+    finally:
+        StaticSequenceCache.HINT_AHEAD = ahead
+    pool = KVPool(runner_bytes_per_token(runner), 20 * 16 * runner_bytes_per_token(runner))
+    budgeted = runner.new_cache()
+    budgeted.length_hint = 200
+    assert pool.ensure(budgeted, 20, budgeted.bytes_per_token, runner.max_len)
+    assert budgeted.capacity == 64  # the policy's: room held ahead would keep another sequence out
+
+
+def test_the_engine_hints_the_target_cache_with_prompt_max_tokens_and_a_step():
+    from quickdraft import SamplingParams
+    llm = LLM(tiny_llama(seed=0), speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    seq = llm.engine.new_sequence(list(range(1, 30)), SamplingParams(max_tokens=50))
+    assert seq.target_cache.length_hint == 29 + 50 + 4 + 1
+    tokens = [t for step in llm.engine.run(seq) for t in step]
+    assert len(tokens) == 50
+
+
+def test_ids_recorded_from_the_host_follow_those_pending_on_the_device():
+    runner = LLM(tiny_llama(seed=0)).target
+    cache = runner.new_cache()
+    cache.record(torch.tensor([5, 6]))
+    cache.record_ids([7])
+    cache.record(torch.tensor([8]))
+    assert len(cache) == 4 and cache.token_ids == [5, 6, 7, 8]

@@ -38,7 +38,7 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
     asked for and the policy's size, or KVPoolFull."""
 
     BLOCK = BLOCK_SIZE
-    HINT_AHEAD = 1024  # positions a hint may allocate past the current need (max_tokens may be far from used)
+    HINT_AHEAD = 256  # positions a hint may allocate past the current need (max_tokens may be far from used)
 
     def __init__(self, runner: Any):  # a runner of quickdraft.models.decoder (it declares the layout)
         super().__init__()

@@ -153,12 +153,20 @@ class PrefixCache:
             digests.append(digest)
             if kept and digest not in self._blocks:
                 self._blocks[digest] = (cache, index)
+                cache.kept_digests.append(digest)
 
     def adopt(self, cache: StaticSequenceCache) -> None:
         """`cache`'s sequence is done with it: keep its tensors for the kept blocks that live in them (with a pool,
         with the bytes the pool granted the cache), or let them go when none does."""
         owned = [digest for index, digest in enumerate(cache.block_digests)
                  if self._blocks.get(digest) == (cache, index)]
+        if len(cache.kept_digests) > len(owned):  # blocks it kept and lost to a rollback: their entries go
+            kept = set(owned)
+            for digest in cache.kept_digests:
+                entry = self._blocks.get(digest)
+                if entry is not None and entry[0] is cache and digest not in kept:
+                    del self._blocks[digest]
+        cache.kept_digests = []
         if not owned:
             return
         if self.pool is not None:

@@ -48,6 +48,9 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
         self.pool: KVPool | None = None  # granting this cache's growth; None: no budget
         # The prefix digests of its first full blocks (PrefixCache's bookkeeping; cut on rollback).
         self.block_digests: list[bytes] = []
+        # Every digest a prefix cache registered as living here, a rollback's cut ones too (PrefixCache.adopt
+        # drops the entries this cache no longer holds, so that they do not keep it alive).
+        self.kept_digests: list[bytes] = []
 
     @property
     def runner(self) -> Any:
@@ -121,6 +124,7 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
         self._pending = []
         self._num_pending = 0
         self.block_digests = []
+        self.kept_digests = []
 
     def block(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the keys and values of positions [16 index, 16 index + 16) (all layers and heads)."""

@@ -155,6 +155,26 @@ def test_a_cache_rolled_back_below_a_kept_block_no_longer_serves_it():
     assert prefix.load(runner.new_cache(), b) == 32
 
 
+def test_a_finished_cache_rolled_back_below_its_kept_blocks_is_let_go():
+    """The entries of blocks a rollback took from a running cache pointed at it until clear(), keeping its tensors
+    alive after its sequence ended; adopting it drops them (and keeps those it still holds)."""
+    runner = native_runner(tiny_llama(seed=0), "tiny")
+    prefix = PrefixCache(runner)
+    a = _tokens(40, seed=6, vocab=32)
+    cache = _run(runner, a)
+    prefix.store(cache)
+    assert len(prefix) == 2 and cache.kept_digests == cache.block_digests
+    cache.rollback(10)  # below both kept blocks
+    prefix.adopt(cache)
+    assert len(prefix) == 0 and prefix.nbytes == 0 and cache.kept_digests == []
+    partly = _run(runner, a)
+    prefix.store(partly)
+    partly.rollback(20)  # below the second block only
+    prefix.adopt(partly)
+    assert len(prefix) == 1 and prefix.nbytes == partly.nbytes
+    assert prefix.load(runner.new_cache(), a) == 16
+
+
 def test_adopted_caches_keep_their_pool_bytes_and_are_reclaimed_before_a_grant_fails():
     runner = native_runner(tiny_llama(seed=0), "tiny")
     block_bytes = 16 * runner.num_layers * runner.num_kv_heads * runner.head_dim * 2 * 4

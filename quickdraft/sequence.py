@@ -126,9 +126,8 @@ class RequestMetrics:
         if num_accepted:
             self.accepted_tokens += num_accepted
             for name in ("accepted_per_position", "reached_per_position"):
+                self._bump(name, num_accepted - 1, 0)  # as long as the positions counted
                 counts = getattr(self, name)
-                if num_accepted > len(counts):
-                    counts.extend([0] * (num_accepted - len(counts)))
                 for position in range(num_accepted):
                     counts[position] += 1
 

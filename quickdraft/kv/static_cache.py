@@ -109,12 +109,6 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
             values[:, :, :used] = self.values[:, :, :used]
         self.keys, self.values = keys, values
 
-    def rollback(self, length: int) -> None:
-        if length == len(self):  # nothing to drop (asked of every cache every step)
-            return
-        super().rollback(length)
-        del self.block_digests[length // self.BLOCK:]
-
     def release(self) -> None:
         """Drop every position and the tensors, and give the blocks back to the pool."""
         if self.pool is not None:
@@ -165,4 +159,5 @@ class StaticSequenceCache(SequenceCache, PoolGrantedCache):
         return None  # keys and values live in self.keys / self.values
 
     def _drop_kv(self, count: int) -> None:
-        pass  # positions past the length are overwritten by the next writes
+        # Positions past the length are overwritten by the next writes; the blocks no longer full lose their digests.
+        del self.block_digests[(len(self) - count) // self.BLOCK:]

@@ -5,10 +5,10 @@ probability that draft position j is accepted given that every earlier one was (
 its own recent steps, so a prompt that copies a lot and one that does not each get their own K). The cost
 of a step with k drafts is its wall time, measured while the engine runs (shared by all requests: it
 belongs to the target and the proposer, not to a prompt). K = 0 is plain decoding; it wins where drafts are
-rarely accepted. Estimates decay each step toward an optimistic prior, so a request that dropped to K = 0
-tries speculation again after a while instead of never learning that the text turned repetitive. The prior is
-the engine's (AcceptancePrior, one per draft kind): what every sequence's steps of that kind accepted lately, so
-a new request on an engine that has served others starts from the model pair's acceptance, not from a guess.
+rarely accepted. Estimates decay each step toward a prior, the engine's (AcceptancePrior, one per draft kind):
+what every sequence's steps of that kind accepted lately, so a new request on an engine that has served others
+starts from the model pair's acceptance, not from a guess. A request at K = 0 drafts one token now and then (a
+probe, PROBE_INTERVAL) instead of never learning that its text turned repetitive.
 The formulas are quickdraft/speedup_model.py's, which `quickdraft tune` and the bench share.
 """
 
@@ -36,12 +36,12 @@ ENGINE_PRIOR_WEIGHT = 4.0
 # token, and 1.5-1.7x one on AVX512-BF16 without AMX, ~0.08; the prior sits between until steps are timed).
 PRIOR_COST_SLOPE = 0.05
 # A request that has not drafted for this many steps drafts one token (a probe), whatever the estimates say.
-# Its counts decay toward the engine's prior, which is floored at PRIOR_ACCEPTANCE; where that rate does not pay
-# for a draft (the Qwen 0.5B draft costs ~0.4 of the 1.5B's step on a 2-core CPU: 0.6 a position is about
-# break-even), decaying alone never made it draft again, so it never saw its text turn easy. One draft token every
-# 16 steps costs at most ~3% of a plain request's time (chosen, not tuned). In a batch (choose_batch_k) the
-# interval stretches where a probe's row costs more than half of what a plain step spends per token, and probes
-# stop where it costs as much (batch_probe_interval).
+# Its counts decay toward the engine's prior, which is what the kind's drafting steps accepted; where that rate
+# does not pay for a draft, decaying alone never makes it draft again, so it would never see its text turn easy.
+# The probes are also what keeps that prior learning where no request drafts by choice. One draft token every 16
+# steps costs at most ~3% of a plain request's time (chosen, not tuned). In a batch (choose_batch_k) the interval
+# stretches where a probe's row costs more than half of what a plain step spends per token, and probes stop
+# where it costs as much (batch_probe_interval).
 PROBE_INTERVAL = 16
 
 
@@ -57,8 +57,11 @@ class _Curve:
     point not measured in the last `max_age` records is dropped: it was measured at other context lengths
     and batch mixes, or in another hour of the machine's bandwidth."""
 
-    def __init__(self, window: int = 9, max_age: int = 128):
+    def __init__(self, window: int = 9, max_age: int = 128, origin: bool = False):
         self.window, self.max_age = window, max_age
+        # origin: the cost at x = 0 is 0, known without measuring (a cost of x extra rows): it anchors the fit, and
+        # one measured point extrapolates in proportion to x, not with the prior's slope.
+        self.origin = origin
         self._samples: dict[int, deque[float]] = {}
         self._medians: dict[int, float] = {}  # x -> the median of its samples
         self._last: dict[int, int] = {}  # x -> the record count when it was last measured
@@ -96,7 +99,10 @@ class _Curve:
     def _fitted(self) -> list[tuple[int, float]]:
         if self._fit is None:
             xs = sorted(self._samples)
-            values = monotone_fit([self._medians[x] for x in xs], [float(len(self._samples[x])) for x in xs])
+            medians, weights = [self._medians[x] for x in xs], [float(len(self._samples[x])) for x in xs]
+            if self.origin and xs:
+                xs, medians, weights = [0] + xs, [0.0] + medians, [1e9] + weights  # the anchor outweighs any run
+            values = monotone_fit(medians, weights)
             self._fit = list(zip(xs, values))
         return self._fit
 
@@ -122,7 +128,9 @@ class _Curve:
         """A lower bound of what estimate adds a unit of x over [lo, hi] (its least segment slope there; 0 where
         unmeasured, or where the 1e-9 floor may flatten it)."""
         known = self._fitted()
-        if not known or not self.estimate(lo, prior_slope) > 2e-9:  # non-decreasing: above the floor from lo on
+        if not known:
+            return 0.0
+        if not self.origin and not self.estimate(lo, prior_slope) > 2e-9:  # non-decreasing: above the floor from lo on
             return 0.0
         if len(known) == 1:
             return max(0.0, known[0][1] * prior_slope)
@@ -247,13 +255,13 @@ class AcceptancePrior(_PositionCounts):
     speedup_model.filled_rates): a pair learned at depth 2 is not priced at the guess at depth 6, so requests go
     deep and the prior learns those positions too.
 
-    Never below PRIOR_ACCEPTANCE (the optimism floor). The prior learns only from steps that draft: were it
-    allowed to fall to where drafting does not pay, no new request would draft, nothing would update it again,
-    and the engine would never see that the workload changed (to repetitive text, say). Floored, it only ever
-    makes a new request start deeper than the fixed guess did, never shallower, and a request at K = 0 still
-    decays toward an optimistic rate and probes again. A request whose own drafts fail still drops to K = 0:
-    after a few steps its counts outweigh the prior's PRIOR_WEIGHT. The cost: on a pair accepting below
-    PRIOR_ACCEPTANCE each new request probes a step or two, as it did with the fixed guess."""
+    It falls as low as the steps show. It learns only from steps that draft, probes included (PROBE_INTERVAL):
+    where drafting does not pay no request drafts by choice, and the probes keep it learning, so the engine still
+    sees the workload change (to repetitive text, say). It used to be floored at PRIOR_ACCEPTANCE (an optimism
+    floor, from before probes): every new request, and every request at K = 0 as its counts decayed, then priced
+    drafts at 0.6 a position where n-gram lookups accept ~0.25, and drafted at a loss until its own failures
+    outweighed the floor; at batch 4 on a 2-core CPU, where a draft row pays from ~0.6, that cost ngram 2-4% of
+    plain decoding's tokens per second (benchmarks/RESULTS.md, session 38)."""
 
     def __init__(self) -> None:
         super().__init__(ENGINE_PRIOR_DECAY)
@@ -278,7 +286,7 @@ class AcceptancePrior(_PositionCounts):
             before = self._rates[-1] if self._rates else PRIOR_ACCEPTANCE
             accepted, reached = self.counts(len(self._rates))
             learned = (accepted + before * ENGINE_PRIOR_WEIGHT) / (reached + ENGINE_PRIOR_WEIGHT)
-            self._rates.append(max(PRIOR_ACCEPTANCE, learned))
+            self._rates.append(learned)
         return self._rates[position]
 
 
@@ -364,15 +372,36 @@ class BatchCosts:
     """What a batched step costs, measured while running: the target forward plus verification as a function
     of the rows in the step (all sequences' new tokens: a memory-bound forward costs about the same for 1 or
     30 rows, a compute-bound one grows with them), and the draft: per batched draft forward as a function of
-    how many sequences draft (model drafts), or per drafting sequence (lookup drafts, no forwards)."""
+    how many sequences draft (model drafts), or per drafting sequence (lookup drafts, no forwards).
+
+    Draft rows are priced by what they were measured to add to the step they joined (`extra`): a drafting step's
+    time less the plain step's cost at its base rows as measured then (the median of the latest plain steps, taken
+    nearly every step). Why not the curve by rows alone: its points are measured at different times, the base
+    (every plain step) at today's context lengths and machine, a drafting size (rare where drafts do not pay) up
+    to max_age steps earlier; a step's cost drifts more than a row costs (at batch 4 on a 2-core CPU a plain step
+    read 5.5 ms early in a run and 7.1 ms later, a row ~1.1 ms), so an old cheap sample one row above the base
+    made that row look free, and requests accepting ~0.25 a draft drafted where a row pays from ~0.63
+    (benchmarks/RESULTS.md, session 38). The added cost is kept per size class of the base rows (powers of 2: a
+    memory-bound forward's rows are free up to a point that a larger batch reaches first); until a class has
+    measured one, the curve by rows prices it."""
 
     def __init__(self) -> None:
         self.target = _Curve()
         self.draft_forward = _Curve()
         self.lookup = _Curve()
+        self.extra: dict[int, _Curve] = {}  # base rows' bit_length -> seconds added by x draft rows
 
     def record(self, rows: int, target_seconds: float, drafting: int, draft_forwards: int,
-               draft_seconds: float | None) -> None:
+               draft_seconds: float | None, draft_rows: int = 0) -> None:
+        """One step: `rows` verified in `target_seconds`, draft_rows of them drafts (the rest, its base, one per
+        sequence or a prompt)."""
+        base = rows - draft_rows
+        if draft_rows > 0 and self.target.measured(base):  # what the drafts added, against the base's cost now
+            extra = self.extra.get(base.bit_length())
+            if extra is None:
+                # Aged by its own records only: a drift-free difference stays true while drafting pauses.
+                extra = self.extra[base.bit_length()] = _Curve(origin=True)
+            extra.record(draft_rows, target_seconds - self.target.estimate(base, PRIOR_COST_SLOPE))
         self.target.record(rows, target_seconds)
         # Each draft curve ages with every step (_Curve.tick), those that do not draft included.
         drafted_by_model = draft_seconds is not None and drafting > 0 and draft_forwards > 0
@@ -386,17 +415,44 @@ class BatchCosts:
         else:
             self.lookup.tick()
 
-    def steps_seconds(self, rows: np.ndarray, max_k: np.ndarray, drafting: np.ndarray, model_draft: bool
-                      ) -> np.ndarray:
+    def _extra_of(self, base_rows: int) -> "_Curve | None":
+        extra = self.extra.get(base_rows.bit_length())
+        return extra if extra is not None and extra.points else None
+
+    def target_seconds(self, rows: int, base_rows: int | None = None) -> float | None:
+        """The target's forward and verification over `rows`, of which base_rows are the step's base (None: all):
+        the base's cost plus what the rows beyond it add (`extra`; the curve by rows where that is unmeasured)."""
+        extra = None if base_rows is None or rows == base_rows else self._extra_of(base_rows)
+        if extra is None:
+            return self.target.estimate(rows, PRIOR_COST_SLOPE)
+        plain = self.target.estimate(base_rows, PRIOR_COST_SLOPE)
+        return None if plain is None else plain + extra.estimate(rows - base_rows, 0.0)
+
+    def least_row_seconds(self, base_rows: int, most_rows: int) -> float:
+        """A lower bound of what one more row adds to a step of base_rows up to most_rows rows (0 where unknown)."""
+        extra = self._extra_of(base_rows)
+        if extra is None:
+            return self.target.least_slope(base_rows, most_rows, PRIOR_COST_SLOPE)
+        return extra.least_slope(0, most_rows - base_rows, 0.0)
+
+    def steps_seconds(self, rows: np.ndarray, max_k: np.ndarray, drafting: np.ndarray, model_draft: bool,
+                      base_rows: int | None = None) -> np.ndarray:
         """step_seconds at many (rows, max_k, drafting >= 1) at once (the target's cost must be measured)."""
-        target = self.target.estimates(rows, PRIOR_COST_SLOPE)
+        extra = None if base_rows is None else self._extra_of(base_rows)
+        if extra is None:
+            target = self.target.estimates(rows, PRIOR_COST_SLOPE)
+        else:
+            target = self.target.estimate(base_rows, PRIOR_COST_SLOPE) + extra.estimates(rows - base_rows, 0.0)
         if model_draft:
             per_forward = self.draft_forward.estimates(drafting, PRIOR_COST_SLOPE)
             return target + max_k * (per_forward if per_forward is not None else target)
         return target + drafting * (self.lookup.estimate(1, 0.0) or 0.0)
 
-    def step_seconds(self, rows: int, max_k: int, drafting: int, model_draft: bool) -> float | None:
-        target = self.target.estimate(rows, PRIOR_COST_SLOPE)
+    def step_seconds(self, rows: int, max_k: int, drafting: int, model_draft: bool,
+                     base_rows: int | None = None) -> float | None:
+        """A step verifying `rows` (base_rows of them its base: target_seconds) with `drafting` sequences drafting
+        up to max_k tokens each."""
+        target = self.target_seconds(rows, base_rows)
         if target is None:
             return None
         if drafting == 0:
@@ -427,7 +483,7 @@ def _best_few(chances: list[float], owners: list[int], positions: list[int], bat
         tokens += chances[j]
         max_k = max(max_k, positions[j] + 1)
         seen.add(owners[j])
-        rate = tokens / costs.step_seconds(base_rows + m + 1, max_k, len(seen), model_draft)
+        rate = tokens / costs.step_seconds(base_rows + m + 1, max_k, len(seen), model_draft, base_rows)
         if rate > best_rate:
             best, best_rate = m, rate
     chosen = [0] * batch
@@ -451,7 +507,7 @@ def batch_probe_interval(costs: BatchCosts, base_rows: int, batch: int, model_dr
     slowed the batch by ~4% with nothing to find; where rows are nearly free (memory-bound) it stays
     PROBE_INTERVAL."""
     plain = costs.step_seconds(base_rows, 0, 0, model_draft)
-    every = costs.step_seconds(base_rows + batch, 1, batch, model_draft)
+    every = costs.step_seconds(base_rows + batch, 1, batch, model_draft, base_rows)
     if plain is None or every is None or plain <= 0:
         return float(PROBE_INTERVAL)
     share = (every - plain) / plain  # (every - plain) / batch a probe, over plain / batch a token
@@ -482,7 +538,7 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
     # above that). Leaving those out (a margin of 1e-6 over rounding) leaves the choice as it was, to the last
     # bit, and spares pricing them: at 64 sequences on a CPU a row costs ~0.7 of a token, and most sequences
     # offer nothing above that.
-    least = costs.target.least_slope(base_rows, base_rows + sum(caps), PRIOR_COST_SLOPE)
+    least = costs.least_row_seconds(base_rows, base_rows + sum(caps))
     floor = least * len(caps) / plain * (1 - 1e-6) if plain > 0 else 0.0
     chances, owners, positions = [], [], []
     # A request that has drafted nothing yet (no counts) is priced by its prior alone: one chain for all of them.
@@ -520,7 +576,7 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
         first = np.zeros(len(order), dtype=np.int64)
         first[np.unique(owner, return_index=True)[1]] = 1
         rates = tokens / costs.steps_seconds(base_rows + count, np.maximum.accumulate(position + 1), np.cumsum(first),
-                                             model_draft)
+                                             model_draft, base_rows)
         best = int(np.argmax(rates))
         if rates[best] > len(caps) / costs.step_seconds(base_rows, 0, 0, model_draft):
             taken = np.zeros(len(caps), dtype=np.int64)
@@ -539,7 +595,7 @@ def choose_batch_k(stats: list[AcceptanceStats], caps: list[int], base_rows: int
 
 
 def choose_tree_nodes(chances: list[list[float]], base_rows: int, costs: BatchCosts,
-                      base_tokens: float = 0.0) -> list[int]:
+                      base_tokens: float = 0.0, plain_rows: int | None = None) -> list[int]:
     """How many of each sequence's candidate tree nodes to verify (taken best first) besides the rows every
     sequence verifies anyway, maximising the whole batch's expected tokens per second of verification:
     choose_batch_k's rule with tree nodes as the candidates, priced by the target forward's measured cost by rows
@@ -552,16 +608,17 @@ def choose_tree_nodes(chances: list[list[float]], base_rows: int, costs: BatchCo
     times a measured calibration), best first. A node's chance is at most its parent's, so a sequence's best-first
     nodes (ties by node order) always form a subtree. base_rows: the rows verified whatever is chosen;
     base_tokens: the expected accepted tokens of the nodes among them (each sequence's step emits one more).
+    plain_rows: the step's rows without drafts (BatchCosts.target_seconds' base; None: priced by rows alone).
     Every sequence keeps all its candidates while the target's cost is not measured; 0 where none pays."""
-    if costs.step_seconds(base_rows, 0, 0, False) is None:
+    if costs.step_seconds(base_rows, 0, 0, False, plain_rows) is None:
         return [len(c) for c in chances]
     candidates = sorted((-chance, j, i) for i, seq_chances in enumerate(chances) for j, chance in enumerate(seq_chances))
     tokens = float(len(chances)) + base_tokens
-    best_rate = tokens / costs.step_seconds(base_rows, 0, 0, False)
+    best_rate = tokens / costs.step_seconds(base_rows, 0, 0, False, plain_rows)
     best_m = 0
     for m, (neg_gain, _, _) in enumerate(candidates, start=1):
         tokens -= neg_gain
-        rate = tokens / costs.step_seconds(base_rows + m, 0, 0, False)  # the target's forward over the rows
+        rate = tokens / costs.step_seconds(base_rows + m, 0, 0, False, plain_rows)  # the target's forward over the rows
         if rate > best_rate:
             best_rate, best_m = rate, m
     chosen = [0] * len(chances)

@@ -85,7 +85,7 @@ def test_batch_draft_costs_age_with_steps_that_do_not_draft():
 
 
 def test_a_request_at_k0_probes_one_draft_every_probe_interval_steps():
-    """Where the engine's prior (floored at 0.6) does not pay for a draft, decaying toward it never made a request
+    """Where the engine's prior does not pay for a draft, decaying toward it never made a request
     draft again: it now drafts one token after PROBE_INTERVAL steps without, and keeps drafting if that was
     accepted."""
     costs = StepCosts(4)
@@ -286,10 +286,29 @@ def test_acceptance_prior_is_the_fixed_guess_without_history():
     assert [request.rate(i) for i in range(6)] == [AcceptanceStats().rate(i) for i in range(6)]
     request.update(4, 4)  # one step: it feeds the prior, which moves by less than the request's own estimate
     assert adaptive.PRIOR_ACCEPTANCE < prior.rate(0) < 0.7 < request.rate(0)
+
+
+
+def test_the_prior_falls_to_what_drafting_steps_accept_and_probes_keep_it_learning():
+    """No optimism floor: a pair whose drafts are never accepted teaches the engine's prior so, a new request
+    starts at K = 0 where a draft costs 0.3 of a step, and still probes one draft every PROBE_INTERVAL steps; an
+    accepted probe feeds the prior (it learns from probes too)."""
     never = adaptive.AcceptancePrior()
     for _ in range(200):
-        never.update(4, 0)  # a pair that never accepts: the prior stays at the optimistic floor
-    assert [never.rate(i) for i in range(6)] == [adaptive.PRIOR_ACCEPTANCE] * 6
+        never.update(4, 0)
+    assert all(never.rate(i) < 0.05 for i in range(6))
+    costs = _record_cheap_drafts(StepCosts(4))
+    fresh = AcceptanceStats(never)
+    ks = []
+    for _ in range(adaptive.PROBE_INTERVAL + 1):
+        k = choose_k(fresh, costs, 4)
+        ks.append(k)
+        fresh.update(k, 0)
+    assert ks == [0] * adaptive.PROBE_INTERVAL + [1]
+    before = never.rate(0)
+    for _ in range(3):
+        AcceptanceStats(never).update(1, 1)  # probes that pass
+    assert never.rate(0) > before
 
 
 def test_a_new_request_after_high_acceptance_requests_starts_at_max_k():
@@ -651,3 +670,57 @@ def test_leaving_out_candidates_below_a_rows_cost_leaves_the_batch_choice_as_it_
     monkeypatch.setattr(_Curve, "least_slope", lambda self, lo, hi, prior_slope: 0.0)  # price every candidate
     assert [choose_batch_k(*case) for case in cases] == chosen
     assert pruned > 20 and any(map(any, chosen)) and not all(map(all, chosen))
+
+
+def test_draft_rows_are_priced_by_what_they_added_to_the_step_they_joined():
+    """A step's cost drifts (longer contexts, the machine's hour) by more than a row costs. Priced by the curve by
+    rows alone, a drafting size sampled early (cheap) sat beside a base measured late (dear), and the row between
+    them looked free; priced by what the drafts added to the base as measured then, it costs what it did."""
+    from quickdraft.adaptive import BatchCosts, choose_batch_k
+
+    costs = BatchCosts()
+    for _ in range(9):
+        costs.record(4, 0.0055, 0, 0, None)  # 4 sequences decoding, early in their text
+    costs.record(5, 0.0066, 1, 0, 0.00001, draft_rows=1)  # one drafts a token: +1.1 ms
+    for _ in range(9):
+        costs.record(4, 0.0071, 0, 0, None)  # later: the plain step reads 7.1 ms
+    assert costs.target.estimate(5, 0.0) <= costs.target.estimate(4, 0.0)  # by rows alone: a free row
+    plain = costs.target_seconds(4, 4)
+    assert plain > 0.0070
+    assert costs.target_seconds(5, 4) - plain == pytest.approx(0.0011)
+    assert costs.least_row_seconds(4, 24) == pytest.approx(0.0011)
+    # One measured size extrapolates in proportion (a cost of no extra rows is none), not with the prior's slope.
+    assert costs.target_seconds(8, 4) - plain == pytest.approx(4 * 0.0011)
+    # Acceptance 0.4 a draft: a row (1.1 ms) costs more than the 0.4 of a token it brings (1.8 ms a token).
+    middling = []
+    for _ in range(4):
+        stats = AcceptanceStats()
+        for _ in range(6):
+            stats.update(5, 0)
+            stats.update(5, 0)
+            stats.update(5, 1)
+        middling.append(stats)
+    assert all(0.3 < s.rate(0) < 0.5 for s in middling)
+    assert choose_batch_k(middling, [5] * 4, 4, costs, model_draft=False) == [0] * 4
+    costs.extra.clear()  # priced by the curve by rows alone, as before: they draft
+    assert any(choose_batch_k(middling, [5] * 4, 4, costs, model_draft=False))
+
+
+def test_draft_rows_are_measured_per_size_class_of_the_base():
+    """A memory-bound forward's rows are free up to a point a large batch reaches first: what drafts added at 4
+    base rows does not price them at 64, where the curve by rows prices them until drafts are measured there."""
+    from quickdraft.adaptive import BatchCosts
+
+    costs = BatchCosts()
+    for rows in (4, 64, 128):
+        for _ in range(3):
+            costs.record(rows, 0.010 + 0.0001 * max(0, rows - 64), 0, 0, None)  # flat up to 64 rows
+    costs.record(8, 0.0101, 4, 0, 0.00001, draft_rows=4)
+    assert costs.target_seconds(8, 4) == pytest.approx(0.0101)
+    assert costs.target_seconds(96, 64) == pytest.approx(costs.target.estimate(96, 0.0))  # unmeasured at 64
+    costs.record(68, 0.0200, 4, 0, 0.00001, draft_rows=4)  # dear there
+    assert costs.target_seconds(68, 64) == pytest.approx(0.0200)
+    assert costs.target_seconds(8, 4) == pytest.approx(0.0101)  # the small batch's class unchanged
+    # A drafting step whose base was never measured teaches nothing about what drafts add.
+    costs.record(40, 0.012, 4, 0, 0.00001, draft_rows=4)
+    assert 36 .bit_length() not in costs.extra or costs.extra[36 .bit_length()] is costs.extra[64 .bit_length()]

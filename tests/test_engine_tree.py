@@ -274,7 +274,7 @@ def test_auto_trees_keep_their_chain_and_the_chosen_nodes_and_stay_exact(runner,
 
     calls = []
 
-    def choose(chances, base_rows, costs, base_tokens):
+    def choose(chances, base_rows, costs, base_tokens, plain_rows):
         calls.append([len(c) for c in chances])
         return [0 if len(calls) % 3 == 0 else min(3, len(c)) for c in chances]
 

@@ -139,9 +139,11 @@ class SpeculationPolicy:
         """"auto": what one more verification row costs, as a share of the step's time (the measured target
         cost by rows and the draft's), at the rows the chosen depths give; 0 while unmeasured. A node is worth
         its row where its chance of being on the accepted path is above the step's expected tokens times this."""
-        rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) + k for seq, k in zip(seqs, ks))
-        step = self.batch_costs.step_seconds(rows, max(ks, default=0), sum(k > 0 for k in ks), "model" in kinds)
-        now, more = self.batch_costs.target.estimate(rows, 0.0), self.batch_costs.target.estimate(rows + 1, 0.0)
+        plain = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs)
+        rows = plain + sum(ks)
+        costs = self.batch_costs
+        step = costs.step_seconds(rows, max(ks, default=0), sum(k > 0 for k in ks), "model" in kinds, plain)
+        now, more = costs.target_seconds(rows, plain), costs.target_seconds(rows + 1, plain)
         if step is None or now is None or more is None or step <= 0:
             return 0.0
         return max(0.0, more - now) / step
@@ -160,8 +162,8 @@ class SpeculationPolicy:
         sized = [i for i, p in enumerate(proposals) if p.tree is not None and p.scores is not None]
         if not sized:
             return proposals
-        base_rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs) + sum(
-            int(p.tokens.numel()) for i, p in enumerate(proposals) if i not in sized)
+        plain_rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs)
+        base_rows = plain_rows + sum(int(p.tokens.numel()) for i, p in enumerate(proposals) if i not in sized)
         chances, orders, chains, base_tokens = [], [], [], 0.0
         for i in sized:
             raw = proposals[i].scores.float().cpu()
@@ -174,7 +176,7 @@ class SpeculationPolicy:
             chains.append(chain)
             base_rows += len(chain)
             base_tokens += float((raw[chain] * self.calibration(kinds[i], "chain").factor).clamp(max=1.0).sum())
-        counts = adaptive.choose_tree_nodes(chances, base_rows, self.batch_costs, base_tokens)
+        counts = adaptive.choose_tree_nodes(chances, base_rows, self.batch_costs, base_tokens, plain_rows)
         out = list(proposals)
         for i, order, chain, count in zip(sized, orders, chains, counts):
             if len(chain) + count < int(proposals[i].tokens.numel()):
@@ -186,7 +188,7 @@ class SpeculationPolicy:
         """The batch's costs (adaptive K): the target's forward and verification over `rows`, the drafting (not where
         a draft model caught up on history it had missed: a one-off cost)."""
         self.batch_costs.record(rows, timing.t3 - timing.t1, sum(k > 0 for k in ks), draft_forwards,
-                                None if caught_up else timing.t1 - timing.t0)
+                                None if caught_up else timing.t1 - timing.t0, sum(ks))
 
     def record_sequence(self, seq: Sequence, kind: str, k: int, chosen: int, num_accepted: int,
                         proposal: Proposal, nodes: list[int], alone: bool, read_history: bool, timing: StepTiming,

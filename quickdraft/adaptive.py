@@ -23,6 +23,13 @@ import numpy as np
 
 from quickdraft.speedup_model import acceptance_chain, expected_tokens_per_step, monotone_fit
 
+def _median(values) -> float:
+    """statistics.median of a few numbers (a curve's window), without its checks: one sort."""
+    ordered = sorted(values)
+    half = len(ordered) // 2
+    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+
+
 PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 1.0
 DECAY = 0.9
@@ -66,15 +73,19 @@ class _Curve:
         self._medians: dict[int, float] = {}  # x -> the median of its samples
         self._last: dict[int, int] = {}  # x -> the record count when it was last measured
         self._records = 0
+        self._oldest = 0  # at most the least of _last's values (tick scans for stale points only past it)
         self._fit: list[tuple[int, float]] | None = None  # sorted (x, fitted cost), recomputed after a record
         self._fit_arrays: tuple[np.ndarray, np.ndarray] | None = None  # the same as arrays (estimates)
 
     def record(self, x: int, seconds: float) -> None:
         samples = self._samples.setdefault(x, deque(maxlen=self.window))
         samples.append(seconds)
-        self._medians[x] = statistics.median(samples)  # the other points' medians stand
+        median = _median(samples)  # the other points' medians stand
+        # The fit changes with a point's median, and with its weight (its samples) until the window is full.
+        if len(samples) < self.window or self._medians.get(x) != median:
+            self._fit = self._fit_arrays = None
+        self._medians[x] = median
         self._last[x] = self._records + 1
-        self._fit = self._fit_arrays = None
         self.tick()
 
     def tick(self) -> None:
@@ -83,15 +94,22 @@ class _Curve:
         slow (a busy minute) that made adaptive K stop drafting is forgotten after max_age steps and drafting
         is tried again. Otherwise nothing would ever measure it anew."""
         self._records += 1
+        if self._records - self._oldest <= self.max_age:  # nothing can be stale yet (a step's common case)
+            return
         stale = [p for p, last in self._last.items() if self._records - last > self.max_age]
         if stale:  # the fit changes only where a point went (or a sample came: record)
             for p in stale:
                 del self._samples[p], self._last[p], self._medians[p]
             self._fit = self._fit_arrays = None
+        self._oldest = min(self._last.values(), default=self._records)
 
     @property
     def points(self) -> dict[int, float]:
         return dict(self._fitted())
+
+    @property
+    def measured_any(self) -> bool:
+        return bool(self._samples)
 
     def measured(self, x: int) -> bool:
         return x in self._samples
@@ -417,7 +435,7 @@ class BatchCosts:
 
     def _extra_of(self, base_rows: int) -> "_Curve | None":
         extra = self.extra.get(base_rows.bit_length())
-        return extra if extra is not None and extra.points else None
+        return extra if extra is not None and extra.measured_any else None
 
     def target_seconds(self, rows: int, base_rows: int | None = None) -> float | None:
         """The target's forward and verification over `rows`, of which base_rows are the step's base (None: all):

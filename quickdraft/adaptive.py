@@ -23,6 +23,7 @@ import numpy as np
 
 from quickdraft.speedup_model import acceptance_chain, expected_tokens_per_step, monotone_fit
 
+
 def _median(values) -> float:
     """statistics.median of a few numbers (a curve's window), without its checks: one sort."""
     ordered = sorted(values)

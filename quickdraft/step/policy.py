@@ -31,6 +31,11 @@ class StepTiming:
     t3: float
 
 
+def _plain_rows(seqs: list[Sequence]) -> int:
+    """The rows a step verifies without drafts: each sequence's unread tokens (its last one, or a prompt)."""
+    return sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs)
+
+
 class SpeculationPolicy:
     """Adaptive K and tree sizing for one engine (its target, proposer and K)."""
 
@@ -111,7 +116,7 @@ class SpeculationPolicy:
             unread = self.proposer.unread_history(seq) if kind == "model" else 0
             return [adaptive.choose_k(self.acceptance(seq, kind), costs, caps[0],
                                       unread * costs.catch_up_per_token(), seq.params.max_tokens - len(seq.output_ids))]
-        base_rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs)
+        base_rows = _plain_rows(seqs)
         return adaptive.choose_batch_k([self.acceptance(seq, kind) for seq, kind in zip(seqs, kinds)], caps,
                                        base_rows, self.batch_costs, "model" in kinds)
 
@@ -139,7 +144,7 @@ class SpeculationPolicy:
         """"auto": what one more verification row costs, as a share of the step's time (the measured target
         cost by rows and the draft's), at the rows the chosen depths give; 0 while unmeasured. A node is worth
         its row where its chance of being on the accepted path is above the step's expected tokens times this."""
-        plain = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs)
+        plain = _plain_rows(seqs)
         rows = plain + sum(ks)
         costs = self.batch_costs
         step = costs.step_seconds(rows, max(ks, default=0), sum(k > 0 for k in ks), "model" in kinds, plain)
@@ -162,7 +167,7 @@ class SpeculationPolicy:
         sized = [i for i, p in enumerate(proposals) if p.tree is not None and p.scores is not None]
         if not sized:
             return proposals
-        plain_rows = sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs)
+        plain_rows = _plain_rows(seqs)
         base_rows = plain_rows + sum(int(p.tokens.numel()) for i, p in enumerate(proposals) if i not in sized)
         chances, orders, chains, base_tokens = [], [], [], 0.0
         for i in sized:

@@ -51,6 +51,17 @@ PRIOR_COST_SLOPE = 0.05
 # stretches where a probe's row costs more than half of what a plain step spends per token, and probes stop
 # where it costs as much (batch_probe_interval).
 PROBE_INTERVAL = 16
+# What an engine spends on one-sequence probes: at most this share of its plain steps' time (SpeculationPolicy's
+# probe credit). A lookup's probe (~0.1 of a plain step) fits every PROBE_INTERVAL steps. A draft model's must first
+# read what it missed while not drafting: on a 2-core CPU the Qwen 0.5B reads a token in ~0.08 of the 1.5B's plain
+# step, so a probe after 16 plain steps cost ~1.9 steps, 12% of a request that drafted nothing, and short Spec-Bench
+# requests ran at 0.87-0.93x plain decoding (benchmarks/RESULTS.md, session 39). Paid from the engine's credit, such
+# probes come every few requests instead, and the engine's prior still learns from them.
+PROBE_BUDGET = 0.03
+# A draft token's cost once forgotten (StepCosts.draft_per_token): this share of its last measure.
+FORGOTTEN_DRAFT_SHARE = 0.5
+# StepCosts' speed is the median of this many steps' ratios of their time to their k's measured cost.
+SPEED_WINDOW = 5
 
 
 class _Curve:
@@ -65,8 +76,10 @@ class _Curve:
     point not measured in the last `max_age` records is dropped: it was measured at other context lengths
     and batch mixes, or in another hour of the machine's bandwidth."""
 
-    def __init__(self, window: int = 9, max_age: int = 128, origin: bool = False):
+    def __init__(self, window: int = 9, max_age: int = 128, origin: bool = False, kept: int | None = None):
         self.window, self.max_age = window, max_age
+        # kept: a point that never ages out (StepCosts' plain step, k = 0: see there why).
+        self.kept = kept
         # origin: the cost at x = 0 is 0, known without measuring (a cost of x extra rows): it anchors the fit, and
         # one measured point extrapolates in proportion to x, not with the prior's slope.
         self.origin = origin
@@ -97,12 +110,12 @@ class _Curve:
         self._records += 1
         if self._records - self._oldest <= self.max_age:  # nothing can be stale yet (a step's common case)
             return
-        stale = [p for p, last in self._last.items() if self._records - last > self.max_age]
+        stale = [p for p, last in self._last.items() if self._records - last > self.max_age and p != self.kept]
         if stale:  # the fit changes only where a point went (or a sample came: record)
             for p in stale:
                 del self._samples[p], self._last[p], self._medians[p]
             self._fit = self._fit_arrays = None
-        self._oldest = min(self._last.values(), default=self._records)
+        self._oldest = min((last for p, last in self._last.items() if p != self.kept), default=self._records)
 
     @property
     def points(self) -> dict[int, float]:
@@ -192,20 +205,39 @@ class StepCosts:
     which a slope prior for verification rows prices at almost nothing. With the step's whole time alone, an
     engine that had only run K = 4 priced plain decoding at 0.8x of that step instead of ~0.35x, so it never
     tried fewer drafts, and a prompt accepting 50% ran slower than plain (benchmarks/RESULTS.md, session 23);
-    and two measured points fitted flat (a slow step at k - 1) priced every smaller k, K = 0 included, the same."""
+    and two measured points fitted flat (a slow step at k - 1) priced every smaller k, K = 0 included, the same.
+
+    The costs are kept in units of the machine's current speed (`speed`: the median ratio of the last few
+    steps' times to what their k was measured to cost), so that k's measured minutes apart compare as if measured
+    together: on a shared 2-core CPU the Qwen 1.5B's plain step read 26.0 ms in one minute and 32.5 ms in the next
+    (benchmarks/RESULTS.md, session 39), more than a verification row costs, and a request that drafts for a while
+    stops measuring the plain step. Without it a plain step last measured in a slow minute (36 ms where it cost
+    26) made one draft token (43 ms) look worth it at ~0.55 acceptance, where it needs ~0.65. For the same reason
+    the plain step (k = 0) is never forgotten (the other points are after max_age steps unmeasured, see _Curve):
+    extrapolated down from the drafting steps' rest (verification of k + 1 rows, nearly flat in k between
+    neighbours) it read 32-34 ms where it cost 26."""
 
     def __init__(self, max_k: int):
-        self.curve = _Curve()
-        self.rest = _Curve()   # the step less its drafting, by k
+        self.curve = _Curve(kept=0)
+        self.rest = _Curve(kept=0)   # the step less its drafting, by k
         self.draft = _Curve()  # the drafting alone, by k > 0
-        self.catch_up: deque[float] = deque(maxlen=9)  # seconds per history token a draft model read in a catch-up
+        self.catch_up: deque[float] = deque(maxlen=9)  # per history token a draft model read in a catch-up
+        self._measured_per_token = 0.0  # _draft_per_token's last measure
+        # The machine's speed now: seconds per unit of the curves (which hold seconds / speed at the time). Two
+        # ratios of 1 to start with: a step's speed moves it only once another step agrees.
+        self._speeds: deque[float] = deque([1.0, 1.0], maxlen=SPEED_WINDOW)
+        self.speed = 1.0
 
     def record(self, k: int, seconds: float, draft_seconds: float | None = None) -> None:
-        self.curve.record(k, seconds)
+        if self.curve.measured(k):  # this step against what its k costs: the machine's speed now
+            self._speeds.append(seconds / self.curve.estimate(k, PRIOR_COST_SLOPE))
+            self.speed = _median(self._speeds)
+        speed = self.speed
+        self.curve.record(k, seconds / speed)
         if draft_seconds is not None:
-            self.rest.record(k, max(0.0, seconds - draft_seconds))
+            self.rest.record(k, max(0.0, seconds - draft_seconds) / speed)
         if draft_seconds is not None and k > 0:
-            self.draft.record(k, draft_seconds)
+            self.draft.record(k, draft_seconds / speed)
         else:
             self.draft.tick()
 
@@ -213,25 +245,37 @@ class StepCosts:
         """A drafting step that first read `tokens` of history it had missed (a prompt, or a stretch at K = 0):
         its drafting time less k draft tokens at their measured cost, per token read."""
         if tokens > 0:
-            self.catch_up.append(max(0.0, draft_seconds - k * self.draft_per_token()) / tokens)
+            self.catch_up.append(max(0.0, draft_seconds / self.speed - k * self._draft_per_token()) / tokens)
 
     def catch_up_per_token(self) -> float:
         """What a draft model takes to read one token of history it missed (median of the last catch-ups; 0 before
         one was measured, when a catch-up is not priced)."""
-        return statistics.median(self.catch_up) if self.catch_up else 0.0
+        return statistics.median(self.catch_up) * self.speed if self.catch_up else 0.0
 
     def draft_per_token(self) -> float:
-        """The drafting's measured seconds per draft token (the median over the k measured); 0 before any, and
-        again once no step has drafted for the curve's max_age steps (adaptive K then tries drafting again)."""
+        """The drafting's seconds per draft token at the machine's speed now (_draft_per_token)."""
+        return self._draft_per_token() * self.speed
+
+    def _draft_per_token(self) -> float:
+        """The drafting's measured cost per draft token (the median over the k measured); 0 before any. Once no
+        step has drafted for the curve's max_age steps, FORGOTTEN_DRAFT_SHARE of the last measure: low enough that
+        a request whose drafts are accepted tries drafting again (a busy minute measured it at 3x), high enough
+        that a draft model's long catch-up is not bought at no cost. (It was 0: after 128 plain steps on long
+        prompts a RAG request drafted as if draft tokens were free, paying 1.3 s for the 0.5B to read 727 prompt
+        tokens: 0.81x plain decoding; benchmarks/RESULTS.md, session 39.)"""
         points = self.draft.points
-        return statistics.median(seconds / k for k, seconds in points.items()) if points else 0.0
+        if points:
+            self._measured_per_token = statistics.median(seconds / k for k, seconds in points.items())
+            return self._measured_per_token
+        return FORGOTTEN_DRAFT_SHARE * self._measured_per_token
 
     def estimate(self, k: int) -> float | None:
-        """A step's time with k drafts: measured, or from its parts (linearly inferred from the whole steps'
-        times where the parts were never timed)."""
+        """A step's time with k drafts at the machine's speed now: measured, or from its parts (linearly inferred
+        from the whole steps' times where the parts were never timed)."""
         if self.curve.measured(k) or not self.rest.points:
-            return self.curve.estimate(k, PRIOR_COST_SLOPE)
-        return self.rest.estimate(k, PRIOR_COST_SLOPE) + k * self.draft_per_token()
+            known = self.curve.estimate(k, PRIOR_COST_SLOPE)
+            return None if known is None else known * self.speed
+        return (self.rest.estimate(k, PRIOR_COST_SLOPE) + k * self._draft_per_token()) * self.speed
 
 
 class _PositionCounts:
@@ -314,7 +358,14 @@ class AcceptanceStats(_PositionCounts):
 
     prior: the engine's AcceptancePrior of this draft kind; rate() starts from its rate instead of the fixed
     PRIOR_ACCEPTANCE, and as the counts decay the estimate returns toward it. Each update feeds it too (a tree
-    step as a chain of its depth, like this request's own counts). None: the fixed PRIOR_ACCEPTANCE."""
+    step as a chain of its depth, like this request's own counts). None: the fixed PRIOR_ACCEPTANCE.
+
+    While a request drafts nothing its estimate stands: the plain steps' decay is applied when it drafts again
+    (a probe), before that step's counts. (Decayed at every plain step, a request whose drafts failed drifted back
+    to the prior in ~10 plain steps wherever the prior paid for a draft, and drafted again outside the probes'
+    budget: the Qwen 0.5B re-read what it had missed each time, and short Spec-Bench requests ran at 0.80-0.88x
+    plain decoding; benchmarks/RESULTS.md, session 39.) A probe still finds old failures faded by the steps since,
+    so one accepted probe starts drafting again."""
 
     def __init__(self, prior: AcceptancePrior | None = None) -> None:
         super().__init__(DECAY)
@@ -322,8 +373,15 @@ class AcceptanceStats(_PositionCounts):
         self.steps_without_drafts = 0  # consecutive steps that drafted nothing (PROBE_INTERVAL)
 
     def update(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            self.steps_without_drafts += 1
+            return
+        if self.steps_without_drafts:  # the plain steps' decay, due now
+            fade = self.decay ** self.steps_without_drafts
+            self.reached = [r * fade for r in self.reached]
+            self.accepted = [a * fade for a in self.accepted]
         super().update(proposed, accepted)
-        self.steps_without_drafts = self.steps_without_drafts + 1 if proposed == 0 else 0
+        self.steps_without_drafts = 0
         if self.prior is not None:
             self.prior.update(proposed, accepted)
 
@@ -360,8 +418,15 @@ class AcceptanceStats(_PositionCounts):
         return expected_tokens_per_step(self.rates(k), None, k)
 
 
+def probe_seconds(costs: StepCosts, catch_up_s: float = 0.0) -> float:
+    """What a probe (one draft token) adds to a request's plain step: a one-draft step over a plain one, and the
+    reading a draft model must do first (catch_up_s: the history it missed while not drafting)."""
+    one, plain = costs.estimate(1), costs.estimate(0)
+    return max(0.0, (one or 0.0) - (plain or 0.0)) + catch_up_s
+
+
 def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int, catch_up_s: float = 0.0,
-             remaining: int | None = None) -> int:
+             remaining: int | None = None, probe_credit_s: float = math.inf) -> int:
     """The k in [0, max_k] with the most expected tokens per second; max_k until costs are measured; one draft
     (a probe) where that is 0 and the request is due for a probe (AcceptanceStats.due_for_probe).
 
@@ -369,7 +434,8 @@ def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int, catch_up_s: f
     ~700 tokens on 2 cores), paid once by the first drafting step and spread over the `remaining` tokens the
     request may still generate (max_tokens: an upper bound, so this leans toward drafting). Every drafting k is
     charged its share per expected token. A probe is taken only where drafting could pay even so if every draft
-    were accepted."""
+    were accepted, and where its whole cost (probe_seconds, the catch-up included) is within probe_credit_s, what
+    the engine may still spend on probes (SpeculationPolicy: PROBE_BUDGET of its plain steps' time)."""
     share = catch_up_s / remaining if catch_up_s > 0 and remaining else 0.0
     seconds = [costs.estimate(k) for k in range(max_k + 1)]
     if None in seconds:
@@ -383,6 +449,8 @@ def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int, catch_up_s: f
             best_k, best_rate = k, rate
     if best_k or not stats.due_for_probe or max_k == 0:
         return best_k
+    if probe_seconds(costs, catch_up_s) > probe_credit_s:
+        return 0
     could_pay = any((k + 1) / (seconds[k] + (k + 1) * share) > 1 / seconds[0] for k in range(1, max_k + 1))
     return 1 if could_pay else 0
 

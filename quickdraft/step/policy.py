@@ -53,6 +53,10 @@ class SpeculationPolicy:
         # Per draft kind and part of a tree ("chain": its first-child path, "branch": its other nodes; "tree": "auto")
         self.tree_calibration: dict[tuple[str, str], adaptive.TreeCalibration] = {}
         self._acceptance_priors: dict[str, adaptive.AcceptancePrior] = {}  # per draft kind (acceptance_prior)
+        # Seconds one-sequence probes may still spend: PROBE_BUDGET of every plain step chosen alone, less each probe's
+        # cost (its draft model's catch-up included). Engine-wide, not per request: a draft model's probe can cost
+        # more than one short request's plain steps earn, and the engine's prior must still learn from some.
+        self.probe_credit = 0.0
 
     # --- what the engine has learned ------------------------------------------------------------------------
     def step_costs_of(self, kind: str) -> adaptive.StepCosts:
@@ -111,11 +115,17 @@ class SpeculationPolicy:
             return caps
         if len(seqs) == 1:
             seq, kind = seqs[0], kinds[0]
-            costs = self.step_costs_of(kind)
+            costs, stats = self.step_costs_of(kind), self.acceptance(seqs[0], kinds[0])
             # A model draft that has not read the prompt (or what it missed at K = 0) reads it first: priced.
             unread = self.proposer.unread_history(seq) if kind == "model" else 0
-            return [adaptive.choose_k(self.acceptance(seq, kind), costs, caps[0],
-                                      unread * costs.catch_up_per_token(), seq.params.max_tokens - len(seq.output_ids))]
+            catch_up_s = unread * costs.catch_up_per_token()
+            k = adaptive.choose_k(stats, costs, caps[0], catch_up_s, seq.params.max_tokens - len(seq.output_ids),
+                                  self.probe_credit)
+            if k == 0:
+                self.probe_credit += adaptive.PROBE_BUDGET * (costs.estimate(0) or 0.0)
+            elif stats.due_for_probe:  # a probe (or a request due for one drafting by choice: charged alike)
+                self.probe_credit -= adaptive.probe_seconds(costs, catch_up_s)
+            return [k]
         base_rows = _plain_rows(seqs)
         return adaptive.choose_batch_k([self.acceptance(seq, kind) for seq, kind in zip(seqs, kinds)], caps,
                                        base_rows, self.batch_costs, "model" in kinds)

@@ -3,10 +3,11 @@ teaches the policy; per-request speculation control through the API (SamplingPar
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import tiny_llama
-from quickdraft import LLM, SamplingParams
+from quickdraft import LLM, SamplingParams, adaptive
 from quickdraft.drafts import NgramProposer
 from quickdraft.sequence import Sequence
 from quickdraft.step.policy import SpeculationPolicy
@@ -103,3 +104,61 @@ def test_per_request_speculation_control_through_the_api():
         if not adaptive:
             assert capped.proposed_tokens > 0 and default.proposed_tokens > 0
             assert len(default.proposed_per_position) > 2
+
+
+class _ReadingProposer(NgramProposer):
+    """A draft model as the policy sees it: `unread` tokens of history to read before it can draft."""
+
+    def __init__(self, unread: int):
+        super().__init__()
+        self.unread = unread
+
+    def unread_history(self, seq) -> int:
+        return self.unread
+
+
+def _idle_request(policy: SpeculationPolicy, kind: str, plain: float, one_draft: float, draft: float) -> Sequence:
+    """policy's costs measured (a plain step, a one-draft step, its drafting; a catch-up of 2.1 ms a token) and a
+    request whose drafts were all rejected: it decodes plainly and is due for probes."""
+    costs = policy.step_costs_of(kind)
+    for _ in range(9):
+        costs.record(0, plain, 0.0)
+        costs.record(1, one_draft, draft)
+    costs.record_catch_up(1, 50, draft + 50 * 0.0021)
+    seq = _decoding(SamplingParams(max_tokens=10_000))
+    for _ in range(50):
+        policy.acceptance(seq, kind).update(1, 0)
+    return seq
+
+
+def _probes(policy: SpeculationPolicy, seq: Sequence, kind: str, steps: int) -> list[int]:
+    probes = []
+    for step in range(steps):
+        (k,) = policy.choose_ks([seq], [kind])
+        if k:
+            probes.append(step)
+        policy.acceptance(seq, kind).update(k, 0)
+    return probes
+
+
+def test_probes_are_paid_from_a_budget_that_prices_a_draft_models_catch_up():
+    """A request at K = 0 probes (drafts one token) where the engine's probe credit, PROBE_BUDGET of its plain steps'
+    time, covers the probe: a draft model's whole cost, the history it must read first included. The Qwen pair on a
+    2-core CPU: a 26 ms plain step, 43 ms with one 12 ms draft token, 2.1 ms a token of history read. A probe that
+    reads a 56-token prompt costs ~5 plain steps: none in a 64-token request (every 16 steps before, 0.87-0.93x plain
+    decoding on short Spec-Bench requests), and over a long run at most the budget. A lookup's probe (a tenth of a
+    step, nothing to read) still comes every PROBE_INTERVAL steps."""
+    model = SpeculationPolicy(_ReadingProposer(56), 4, True, None, 100_000)
+    seq = _idle_request(model, "model", 0.026, 0.043, 0.012)
+    probe = adaptive.probe_seconds(model.step_costs_of("model"), 56 * 0.0021)
+    assert probe == pytest.approx(0.017 + 56 * 0.0021, rel=0.01)
+    assert _probes(model, seq, "model", 64) == []
+    steps = 64 + 1500
+    probes = _probes(model, seq, "model", 1500)
+    assert probes  # the engine's prior still learns, now and then
+    assert len(probes) * probe <= adaptive.PROBE_BUDGET * 0.026 * steps + probe
+
+    lookup = SpeculationPolicy(NgramProposer(), 4, True, None, 100_000)
+    seq = _idle_request(lookup, "lookup", 0.026, 0.0285, 0.0005)
+    probes = _probes(lookup, seq, "lookup", 4 * adaptive.PROBE_INTERVAL + 4)
+    assert probes == [adaptive.PROBE_INTERVAL + i * (adaptive.PROBE_INTERVAL + 1) for i in range(4)]

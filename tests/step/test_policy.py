@@ -89,11 +89,11 @@ def test_per_request_speculation_control_through_the_api():
     all depends on the measured costs, so the drafting itself is checked with K fixed.)"""
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
     expected = _plain(prompt, SamplingParams(temperature=0, max_tokens=24)).outputs[0].token_ids
-    for adaptive in (True, False):
+    for adaptive_k in (True, False):
         config = {"method": "ngram", "num_speculative_tokens": 4}
         llm = LLM(tiny_llama(seed=0), dtype="float32",
-                  speculative_config=config if adaptive else {**config, "adaptive": False})
-        assert llm.engine.adaptive_k == adaptive  # adaptive is the default
+                  speculative_config=config if adaptive_k else {**config, "adaptive": False})
+        assert llm.engine.adaptive_k == adaptive_k  # adaptive is the default
         outs = llm.generate([{"prompt_token_ids": prompt}] * 3, [SamplingParams(temperature=0, max_tokens=24,
                                                                                 num_speculative_tokens=n)
                                                                  for n in (0, 2, None)])
@@ -101,7 +101,7 @@ def test_per_request_speculation_control_through_the_api():
         assert [out.outputs[0].token_ids for out in outs] == [expected] * 3
         assert off.proposed_tokens == 0 and off.num_drafts == 0
         assert len(capped.proposed_per_position) <= 2
-        if not adaptive:
+        if not adaptive_k:
             assert capped.proposed_tokens > 0 and default.proposed_tokens > 0
             assert len(default.proposed_per_position) > 2
 

@@ -115,7 +115,7 @@ class SpeculationPolicy:
             return caps
         if len(seqs) == 1:
             seq, kind = seqs[0], kinds[0]
-            costs, stats = self.step_costs_of(kind), self.acceptance(seqs[0], kinds[0])
+            costs, stats = self.step_costs_of(kind), self.acceptance(seq, kind)
             # A model draft that has not read the prompt (or what it missed at K = 0) reads it first: priced.
             unread = self.proposer.unread_history(seq) if kind == "model" else 0
             catch_up_s = unread * costs.catch_up_per_token()

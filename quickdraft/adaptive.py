@@ -62,6 +62,8 @@ PROBE_BUDGET = 0.03
 FORGOTTEN_DRAFT_SHARE = 0.5
 # StepCosts' speed is the median of this many steps' ratios of their time to their k's measured cost.
 SPEED_WINDOW = 5
+# OutputLengths remembers this many finished requests (a workload's answers change with its kind of prompt).
+OUTPUT_LENGTH_WINDOW = 8
 
 
 class _Curve:
@@ -358,14 +360,7 @@ class AcceptanceStats(_PositionCounts):
 
     prior: the engine's AcceptancePrior of this draft kind; rate() starts from its rate instead of the fixed
     PRIOR_ACCEPTANCE, and as the counts decay the estimate returns toward it. Each update feeds it too (a tree
-    step as a chain of its depth, like this request's own counts). None: the fixed PRIOR_ACCEPTANCE.
-
-    While a request drafts nothing its estimate stands: the plain steps' decay is applied when it drafts again
-    (a probe), before that step's counts. (Decayed at every plain step, a request whose drafts failed drifted back
-    to the prior in ~10 plain steps wherever the prior paid for a draft, and drafted again outside the probes'
-    budget: the Qwen 0.5B re-read what it had missed each time, and short Spec-Bench requests ran at 0.80-0.88x
-    plain decoding; benchmarks/RESULTS.md, session 39.) A probe still finds old failures faded by the steps since,
-    so one accepted probe starts drafting again."""
+    step as a chain of its depth, like this request's own counts). None: the fixed PRIOR_ACCEPTANCE."""
 
     def __init__(self, prior: AcceptancePrior | None = None) -> None:
         super().__init__(DECAY)
@@ -373,15 +368,8 @@ class AcceptanceStats(_PositionCounts):
         self.steps_without_drafts = 0  # consecutive steps that drafted nothing (PROBE_INTERVAL)
 
     def update(self, proposed: int, accepted: int) -> None:
-        if proposed == 0:
-            self.steps_without_drafts += 1
-            return
-        if self.steps_without_drafts:  # the plain steps' decay, due now
-            fade = self.decay ** self.steps_without_drafts
-            self.reached = [r * fade for r in self.reached]
-            self.accepted = [a * fade for a in self.accepted]
         super().update(proposed, accepted)
-        self.steps_without_drafts = 0
+        self.steps_without_drafts = self.steps_without_drafts + 1 if proposed == 0 else 0
         if self.prior is not None:
             self.prior.update(proposed, accepted)
 
@@ -418,6 +406,30 @@ class AcceptanceStats(_PositionCounts):
         return expected_tokens_per_step(self.rates(k), None, k)
 
 
+class OutputLengths:
+    """How many tokens this engine's recent requests generated, for what a request may still generate: a draft
+    model's reading of a prompt is paid once and earned back over those tokens (choose_k's `remaining`).
+
+    max_tokens alone is an upper bound: Spec-Bench's qa and translation answers end after 11-49 of 64 tokens, and a
+    request that spread the Qwen 0.5B's reading of a 40-80-token prompt (80-170 ms, 3-6 plain steps) over 64
+    tokens drafted where it could not earn it back (qa 0.83-0.90x plain decoding; benchmarks/RESULTS.md, session 39).
+    A request that ended at its max_tokens says only that it would have gone on: it counts as this request's own
+    max_tokens. Nothing known (or no recent request ran longer than this one has): max_tokens."""
+
+    def __init__(self, window: int = OUTPUT_LENGTH_WINDOW) -> None:
+        self._lengths: deque[tuple[int, bool]] = deque(maxlen=window)  # (generated, ended at its max_tokens)
+
+    def record(self, generated: int, at_max_tokens: bool) -> None:
+        self._lengths.append((generated, at_max_tokens))
+
+    def expected_remaining(self, generated: int, max_tokens: int) -> float:
+        """The mean of min(L, max_tokens) - generated over the recent lengths L above `generated` (L = max_tokens
+        for one that ended at its own)."""
+        longer = [(max_tokens if at_max else min(length, max_tokens)) - generated
+                  for length, at_max in self._lengths if length > generated]
+        return sum(longer) / len(longer) if longer else float(max_tokens - generated)
+
+
 def probe_seconds(costs: StepCosts, catch_up_s: float = 0.0) -> float:
     """What a probe (one draft token) adds to a request's plain step: a one-draft step over a plain one, and the
     reading a draft model must do first (catch_up_s: the history it missed while not drafting)."""
@@ -432,10 +444,11 @@ def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int, catch_up_s: f
 
     catch_up_s: what the draft must read before it can draft (a long prompt's prefill: 2-4 s for the Qwen 0.5B on
     ~700 tokens on 2 cores), paid once by the first drafting step and spread over the `remaining` tokens the
-    request may still generate (max_tokens: an upper bound, so this leans toward drafting). Every drafting k is
-    charged its share per expected token. A probe is taken only where drafting could pay even so if every draft
-    were accepted, and where its whole cost (probe_seconds, the catch-up included) is within probe_credit_s, what
-    the engine may still spend on probes (SpeculationPolicy: PROBE_BUDGET of its plain steps' time)."""
+    request may still generate (OutputLengths.expected_remaining: what recent requests went on to generate).
+    Every drafting k is charged its share per expected token. A probe is taken only where drafting could pay even
+    so if every draft were accepted, and where its whole cost (probe_seconds, the catch-up included) is within
+    probe_credit_s, what the engine may still spend on probes (SpeculationPolicy: PROBE_BUDGET of its plain steps'
+    time)."""
     share = catch_up_s / remaining if catch_up_s > 0 and remaining else 0.0
     seconds = [costs.estimate(k) for k in range(max_k + 1)]
     if None in seconds:

@@ -353,6 +353,8 @@ class Engine:
                                        int(feeds[i].numel()) != k + 1, timing, time.perf_counter())
             seq.cache_mark = (cache, length + n)
             out.append(seq.commit(tokens[:n], n if bonus else n + 1, tokens[n], eos, max_len, step_logprobs[i]))
+            if recording and seq.finish_reason is not None:
+                policy.record_finished(seq)
         return out
 
     def _propose(self, seqs: list[Sequence], ks: list[int], kinds: list[str]) -> list[Proposal]:

@@ -57,6 +57,7 @@ class SpeculationPolicy:
         # cost (its draft model's catch-up included). Engine-wide, not per request: a draft model's probe can cost
         # more than one short request's plain steps earn, and the engine's prior must still learn from some.
         self.probe_credit = 0.0
+        self.output_lengths = adaptive.OutputLengths()  # what recent requests generated (a catch-up's earning time)
 
     # --- what the engine has learned ------------------------------------------------------------------------
     def step_costs_of(self, kind: str) -> adaptive.StepCosts:
@@ -119,8 +120,8 @@ class SpeculationPolicy:
             # A model draft that has not read the prompt (or what it missed at K = 0) reads it first: priced.
             unread = self.proposer.unread_history(seq) if kind == "model" else 0
             catch_up_s = unread * costs.catch_up_per_token()
-            k = adaptive.choose_k(stats, costs, caps[0], catch_up_s, seq.params.max_tokens - len(seq.output_ids),
-                                  self.probe_credit)
+            remaining = self.output_lengths.expected_remaining(len(seq.output_ids), seq.params.max_tokens)
+            k = adaptive.choose_k(stats, costs, caps[0], catch_up_s, remaining, self.probe_credit)
             if k == 0:
                 self.probe_credit += adaptive.PROBE_BUDGET * (costs.estimate(0) or 0.0)
             elif stats.due_for_probe:  # a probe (or a request due for one drafting by choice: charged alike)
@@ -204,6 +205,10 @@ class SpeculationPolicy:
         a draft model caught up on history it had missed: a one-off cost)."""
         self.batch_costs.record(rows, timing.t3 - timing.t1, sum(k > 0 for k in ks), draft_forwards,
                                 None if caught_up else timing.t1 - timing.t0, sum(ks))
+
+    def record_finished(self, seq: Sequence) -> None:
+        """seq ended in a step (its end of text, or max_tokens): how long it ran (OutputLengths)."""
+        self.output_lengths.record(len(seq.output_ids), seq.finish_reason == "length")
 
     def record_sequence(self, seq: Sequence, kind: str, k: int, chosen: int, num_accepted: int,
                         proposal: Proposal, nodes: list[int], alone: bool, read_history: bool, timing: StepTiming,

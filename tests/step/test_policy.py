@@ -162,3 +162,21 @@ def test_probes_are_paid_from_a_budget_that_prices_a_draft_models_catch_up():
     seq = _idle_request(lookup, "lookup", 0.026, 0.0285, 0.0005)
     probes = _probes(lookup, seq, "lookup", 4 * adaptive.PROBE_INTERVAL + 4)
     assert probes == [adaptive.PROBE_INTERVAL + i * (adaptive.PROBE_INTERVAL + 1) for i in range(4)]
+
+
+def test_the_engine_tells_the_policy_how_long_finished_requests_ran():
+    """A request ended by a stop token: the policy expects the next request to generate as many tokens (what a
+    draft model's reading of a prompt is earned back over); one ended at its max_tokens says only that it would
+    have gone on (it counts as the asker's max_tokens)."""
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+    plain = _plain(prompt, SamplingParams(temperature=0, max_tokens=16)).outputs[0].token_ids
+    # the first token of the tiny model's greedy text (seed 0) not seen before it: a stop token ending it there
+    end = next(i for i in range(1, len(plain)) if plain[i] not in plain[:i])
+    llm = LLM(tiny_llama(seed=0), dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    lengths = llm.engine.policy.output_lengths
+    params = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[plain[end]])
+    out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+    assert len(out.token_ids) == end + 1 and out.finish_reason == "stop"
+    assert lengths.expected_remaining(0, 100) == end + 1
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16))
+    assert lengths.expected_remaining(0, 100) == (end + 1 + 100) / 2

@@ -438,7 +438,7 @@ def probe_seconds(costs: StepCosts, catch_up_s: float = 0.0) -> float:
 
 
 def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int, catch_up_s: float = 0.0,
-             remaining: int | None = None, probe_credit_s: float = math.inf) -> int:
+             remaining: float | None = None, probe_credit_s: float = math.inf) -> int:
     """The k in [0, max_k] with the most expected tokens per second; max_k until costs are measured; one draft
     (a probe) where that is 0 and the request is due for a probe (AcceptanceStats.due_for_probe).
 

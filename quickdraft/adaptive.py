@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import statistics
 from collections import deque
 
 import numpy as np
@@ -252,7 +251,7 @@ class StepCosts:
     def catch_up_per_token(self) -> float:
         """What a draft model takes to read one token of history it missed (median of the last catch-ups; 0 before
         one was measured, when a catch-up is not priced)."""
-        return statistics.median(self.catch_up) * self.speed if self.catch_up else 0.0
+        return _median(self.catch_up) * self.speed if self.catch_up else 0.0
 
     def draft_per_token(self) -> float:
         """The drafting's seconds per draft token at the machine's speed now (_draft_per_token)."""
@@ -267,7 +266,7 @@ class StepCosts:
         tokens: 0.81x plain decoding; benchmarks/RESULTS.md, session 39.)"""
         points = self.draft.points
         if points:
-            self._measured_per_token = statistics.median(seconds / k for k, seconds in points.items())
+            self._measured_per_token = _median([seconds / k for k, seconds in points.items()])
             return self._measured_per_token
         return FORGOTTEN_DRAFT_SHARE * self._measured_per_token
 

@@ -322,8 +322,9 @@ class Engine:
                 chosen: list[int], caches: list, histories: list[int], feeds: list[torch.Tensor],
                 verdicts: list[Verdict], step_logprobs: list, draft_forwards: int, timing: StepTiming
                 ) -> list[list[int]]:
-        """Roll each sequence's cache back to what it keeps, count the step, and append its tokens; returns the
-        tokens each committed. (One loop over the batch: the step's constants are read once.)"""
+        """Roll each sequence's cache back to what it keeps, count the step, and append its tokens (telling the
+        policy how long one that finished ran); returns the tokens each committed. (One loop over the batch: the
+        step's constants are read once.)"""
         policy, eos, max_len = self.policy, self.eos_token_ids, self.max_len
         recording = policy.adaptive_k
         alone = len(seqs) == 1

@@ -267,18 +267,14 @@ def test_a_request_accepting_every_single_draft_tries_a_deeper_one():
     assert choose_k(fails_second, costs, 4) == 1
 
 
-def _qwen_pair_costs(plain: float = 0.054, row: float = 0.010, draft: float = 0.024, repeats: int = 3) -> StepCosts:
-    """The Qwen 1.5B + 0.5B pair's one-sequence step costs on a 2-core CPU: by default a 54 ms plain step, ~10 ms a
-    target row, 24 ms a draft token (benchmarks/RESULTS.md, session 24); QWEN_NOW, today's kernels."""
+def _qwen_pair_costs() -> StepCosts:
+    """The Qwen 1.5B + 0.5B pair's one-sequence step costs on a 2-core CPU: a 54 ms plain step, ~10 ms a target
+    row, 24 ms a draft token (benchmarks/RESULTS.md, session 24)."""
     costs = StepCosts(4)
-    for _ in range(repeats):
+    for _ in range(3):
         for k in range(5):
-            costs.record(k, plain + k * (row + draft), k * draft)
+            costs.record(k, 0.054 + k * (0.010 + 0.024), k * 0.024)
     return costs
-
-
-# The pair today: a 26 ms plain step, 5 ms a verified row, 12 ms a draft token (sessions 39-40).
-QWEN_NOW = {"plain": 0.026, "row": 0.005, "draft": 0.012, "repeats": 9}
 
 
 def test_a_catch_up_is_paid_by_drafting_only_where_the_request_can_still_earn_it():
@@ -317,7 +313,10 @@ def test_a_short_answers_catch_up_is_priced_over_what_it_may_still_generate():
     """The Qwen pair on a 2-core CPU (a 26 ms plain step, 12 ms a draft token, 5 ms a verified row, 2.1 ms a prompt
     token for the draft to read) and a qa prompt of 40 tokens, drafts accepted 0.8 of the time: spread over 64
     tokens the prompt's reading pays, over the ~20 that qa answers ran to it does not."""
-    costs = _qwen_pair_costs(**QWEN_NOW)
+    costs = StepCosts(4)
+    for _ in range(9):
+        for k in range(5):
+            costs.record(k, 0.026 + k * (0.005 + 0.012), k * 0.012)
     stats = AcceptanceStats()
     for i in range(100):  # 8 of every 10 single drafts accepted, evenly spread
         stats.update(1, int(i * 8 % 10 < 8))
@@ -377,12 +376,21 @@ def test_first_drafts_are_learned_from_each_requests_first_drafting_step_only():
     assert first.rates(1)[0] > failed + 0.2
 
 
+def _qwen_pair_costs_now() -> StepCosts:
+    """The Qwen pair on a 2-core CPU today: a 26 ms plain step, 12 ms a draft token, 5 ms a verified row."""
+    costs = StepCosts(4)
+    for _ in range(9):
+        for k in range(5):
+            costs.record(k, 0.026 + k * (0.005 + 0.012), k * 0.012)
+    return costs
+
+
 def test_a_new_requests_first_drafting_step_is_priced_at_what_first_steps_accepted():
     """Spec-Bench's translation on the Qwen pair: the requests that kept drafting accepted ~0.85 (the engine's
     prior), but each new request's first draft was rejected. A new request with a prompt for the draft to read
     (40 tokens at 2.1 ms) then stays plain; with nothing to read (a lookup, or a request that has drafted) the
     engine's prior prices its drafts as before."""
-    costs, prior = _qwen_pair_costs(**QWEN_NOW), adaptive.AcceptancePrior()
+    costs, prior = _qwen_pair_costs_now(), adaptive.AcceptancePrior()
     for _ in range(10):
         request = _arrival(prior)
         for _ in range(10):
@@ -406,7 +414,7 @@ def test_a_request_whose_draft_has_not_read_its_prompt_probes_where_drafting_req
     before (could it pay were every draft accepted?). Where even the engine's prior does not pay with nothing to
     read, no request drafts by choice: the probe asks only whether every draft accepted could pay, so the
     prior keeps learning."""
-    costs, good = _qwen_pair_costs(**QWEN_NOW), adaptive.AcceptancePrior()
+    costs, good = _qwen_pair_costs_now(), adaptive.AcceptancePrior()
     for _ in range(10):
         request = _arrival(good)
         for _ in range(10):

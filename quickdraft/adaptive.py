@@ -57,11 +57,6 @@ PROBE_INTERVAL = 16
 # requests ran at 0.87-0.93x plain decoding (benchmarks/RESULTS.md, session 39). Paid from the engine's credit, such
 # probes come every few requests instead, and the engine's prior still learns from them.
 PROBE_BUDGET = 0.03
-# A request whose first drafting step must buy a draft model's reading of its prompt is priced at what the first
-# drafting steps of the last ~1 / (1 - FIRST_DRAFT_DECAY) requests accepted (FirstDraftPrior), FIRST_DRAFT_WEIGHT
-# steps' worth of the engine's prior added.
-FIRST_DRAFT_DECAY = 0.6
-FIRST_DRAFT_WEIGHT = 1.0
 # A draft token's cost once forgotten (StepCosts.draft_per_token): this share of its last measure.
 FORGOTTEN_DRAFT_SHARE = 0.5
 # StepCosts' speed is the median of this many steps' ratios of their time to their k's measured cost.
@@ -293,15 +288,8 @@ class _PositionCounts:
         self.accepted: list[float] = []
 
     def update(self, proposed: int, accepted: int) -> None:
-        """A step: what came before weighs `decay` less, then this step counts."""
-        self.age()
-        self.add(proposed, accepted)
-
-    def age(self) -> None:
         self.reached = [r * self.decay for r in self.reached]
         self.accepted = [a * self.decay for a in self.accepted]
-
-    def add(self, proposed: int, accepted: int) -> None:
         if len(self.reached) < proposed:
             grow = proposed - len(self.reached)
             self.reached += [0.0] * grow
@@ -342,7 +330,6 @@ class AcceptancePrior(_PositionCounts):
     def __init__(self) -> None:
         super().__init__(ENGINE_PRIOR_DECAY)
         self._rates: list[float] = []  # rate by position, up to the deepest asked since the last update
-        self.first_drafts = FirstDraftPrior(self)  # what requests' first drafting steps of this kind accepted
 
     def update(self, proposed: int, accepted: int) -> None:
         # A step that drafted nothing says nothing about acceptance; counting it would decay what the drafting
@@ -367,52 +354,16 @@ class AcceptancePrior(_PositionCounts):
         return self._rates[position]
 
 
-class FirstDraftPrior(_PositionCounts):
-    """What requests' first drafting steps of one kind accepted, per position, over the last few requests (each
-    new one's counts weigh 1 / FIRST_DRAFT_DECAY more than the one before), leaning on the engine's prior
-    (FIRST_DRAFT_WEIGHT steps of it) where few reached a position. Asked only where a request's first drafting
-    step buys a draft model's reading of its prompt (choose_k's catch_up_s).
-
-    Why apart from AcceptancePrior: that one learns from every drafting step, and most of those are by requests
-    that kept drafting because their drafts paid: it reads what drafting requests accept (0.7-0.8 on the Qwen
-    1.5B + 0.5B pair), not what a new request's first drafts do. And it remembers ~100 steps, so a workload that
-    turns keeps its old rate for many requests. On Spec-Bench's qa, translation and roleplay each new request
-    drafted first on it, had its one draft rejected, and paid the 0.5B's reading of its prompt (3-6 plain steps
-    on a 2-core CPU) for nothing: 0.94-0.96x plain decoding (benchmarks/RESULTS.md, sessions 39-40). A first step
-    is chosen (this rate) or a probe (whatever it is), so it learns also where no new request drafts by choice."""
-
-    def __init__(self, engine_prior: AcceptancePrior) -> None:
-        super().__init__(FIRST_DRAFT_DECAY)
-        self.engine_prior = engine_prior
-
-    def new_request(self) -> None:
-        """A request arrived: the earlier requests' first steps weigh FIRST_DRAFT_DECAY less (whether this one
-        drafts or not: a run of requests that stay plain returns the rate toward the engine's prior, so one of
-        them drafts at its first step again, where a draft model's reading of the prompt is cheapest to try)."""
-        self.age()
-
-    def rates(self, count: int) -> list[float]:
-        engine = self.engine_prior.rates(count)
-        rates = []
-        for i in range(count):
-            accepted, reached = self.counts(i)
-            rates.append((accepted + engine[i] * FIRST_DRAFT_WEIGHT) / (reached + FIRST_DRAFT_WEIGHT))
-        return rates
-
-
 class AcceptanceStats(_PositionCounts):
     """One request's decayed counts, per draft position, of reaching and of passing verification.
 
     prior: the engine's AcceptancePrior of this draft kind; rate() starts from its rate instead of the fixed
     PRIOR_ACCEPTANCE, and as the counts decay the estimate returns toward it. Each update feeds it too (a tree
-    step as a chain of its depth, like this request's own counts). None: the fixed PRIOR_ACCEPTANCE.
-    The prior's first_drafts (FirstDraftPrior) is fed this request's first drafting step, and until it has
-    drafted, rates(first_draft=True) reads it instead of the prior."""
+    step as a chain of its depth, like this request's own counts). None: the fixed PRIOR_ACCEPTANCE."""
 
     def __init__(self, prior: AcceptancePrior | None = None) -> None:
         super().__init__(DECAY)
         self.prior = prior
-        self.drafted = False  # whether a step of this request drafted (its first one fed prior.first_drafts)
         self.steps_without_drafts = 0  # consecutive steps that drafted nothing (PROBE_INTERVAL)
 
     def update(self, proposed: int, accepted: int) -> None:
@@ -420,20 +371,14 @@ class AcceptanceStats(_PositionCounts):
         self.steps_without_drafts = self.steps_without_drafts + 1 if proposed == 0 else 0
         if self.prior is not None:
             self.prior.update(proposed, accepted)
-        if proposed > 0 and not self.drafted:
-            self.drafted = True
-            if self.prior is not None:  # (no decay: this request's arrival aged the earlier ones, new_request)
-                self.prior.first_drafts.add(proposed, accepted)
 
     @property
     def due_for_probe(self) -> bool:
         """Whether this request has gone PROBE_INTERVAL steps without drafting: its next step drafts one token."""
         return self.steps_without_drafts >= PROBE_INTERVAL
 
-    def rates(self, count: int, first_draft: bool = False) -> list[float]:
-        """The acceptance estimates of positions 0..count-1, in one pass (each leans on the one before it).
-        first_draft: for a first drafting step that buys a draft model's reading of the prompt, priced (until
-        this request has drafted) at the prior's first_drafts (FirstDraftPrior)."""
+    def rates(self, count: int) -> list[float]:
+        """The acceptance estimates of positions 0..count-1, in one pass (each leans on the one before it)."""
         # A position this request has rarely reached leans on what it showed one position earlier where that is
         # better than the prior (acceptance by position is about flat or rising once a draft has been right, as
         # for AcceptancePrior): a request accepting every single draft otherwise priced a second one at the
@@ -442,12 +387,7 @@ class AcceptanceStats(_PositionCounts):
         rates: list[float] = []
         if count <= 0:
             return rates
-        if self.prior is None:
-            priors = [PRIOR_ACCEPTANCE] * count
-        elif first_draft and not self.drafted:
-            priors = self.prior.first_drafts.rates(count)
-        else:
-            priors = self.prior.rates(count)
+        priors = [PRIOR_ACCEPTANCE] * count if self.prior is None else self.prior.rates(count)
         accepted, reached, known = self.accepted, self.reached, len(self.reached)
         last = None
         for i in range(count):
@@ -504,16 +444,15 @@ def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int, catch_up_s: f
     catch_up_s: what the draft must read before it can draft (a long prompt's prefill: 2-4 s for the Qwen 0.5B on
     ~700 tokens on 2 cores), paid once by the first drafting step and spread over the `remaining` tokens the
     request may still generate (OutputLengths.expected_remaining: what recent requests went on to generate).
-    Every drafting k is charged its share per expected token; a request that has not drafted yet is priced at what
-    recent requests' first drafting steps accepted (AcceptanceStats.rates(first_draft=True)). A probe is taken only
-    where drafting could pay even so if every draft were accepted (see below for a request whose draft has not read
-    its prompt), and where its whole cost (probe_seconds, the catch-up included) is within probe_credit_s, what the
-    engine may still spend on probes (SpeculationPolicy: PROBE_BUDGET of its plain steps' time)."""
+    Every drafting k is charged its share per expected token. A probe is taken only where drafting could pay even
+    so if every draft were accepted, and where its whole cost (probe_seconds, the catch-up included) is within
+    probe_credit_s, what the engine may still spend on probes (SpeculationPolicy: PROBE_BUDGET of its plain steps'
+    time)."""
     share = catch_up_s / remaining if catch_up_s > 0 and remaining else 0.0
     seconds = [costs.estimate(k) for k in range(max_k + 1)]
     if None in seconds:
         return max_k
-    rates = stats.rates(max_k, first_draft=catch_up_s > 0)  # once: E(k) reads its first k
+    rates = stats.rates(max_k)  # once: E(k) reads its first k
     best_k, best_rate = max_k, 0.0
     for k, step in enumerate(seconds):
         tokens = expected_tokens_per_step(rates[:k], None, k)
@@ -524,28 +463,8 @@ def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int, catch_up_s: f
         return best_k
     if probe_seconds(costs, catch_up_s) > probe_credit_s:
         return 0
-    # Could drafting pay even so, were every draft accepted? A request whose draft has not read its prompt asks
-    # more: its first step was priced at what first drafting steps accept, and a probe now reads more and has fewer
-    # tokens left to earn it (qa answers that ended at step 16 paid the whole reading for one token: 0.80-0.84x
-    # plain decoding). It probes where it could earn the reading back drafting as the engine's drafting requests
-    # do (its own counts are none: the engine's prior); every draft accepted only where that prior does not pay
-    # even with nothing to read (no request then drafts by choice, and the probes are what the prior learns from).
-    chances = [1.0] * max_k
-    if catch_up_s > 0 and not stats.drafted:
-        engine = stats.rates(max_k)
-        if _could_pay(engine, seconds, 0.0):
-            chances = engine
-    return 1 if _could_pay(chances, seconds, share) else 0
-
-
-def _could_pay(chances: list[float], seconds: list[float], share: float) -> bool:
-    """Whether some k >= 1 drafts, accepted at `chances` by position and each expected token charged `share`
-    seconds more (a catch-up spread), gives more tokens a second than a plain step (seconds[k]: a step's cost)."""
-    for k in range(1, len(seconds)):
-        tokens = expected_tokens_per_step(chances[:k], None, k)
-        if tokens / (seconds[k] + tokens * share) > 1 / seconds[0]:
-            return True
-    return False
+    could_pay = any((k + 1) / (seconds[k] + (k + 1) * share) > 1 / seconds[0] for k in range(1, max_k + 1))
+    return 1 if could_pay else 0
 
 
 class BatchCosts:

@@ -243,8 +243,7 @@ class Sequence:
         lookups some steps and a model's tokens others keeps the two apart, as their acceptance differs.
 
         prior: the engine's AcceptancePrior of `kind` (Engine.acceptance_prior), which the estimates start from
-        and feed; taken when the kind is first asked for (None: the fixed adaptive.PRIOR_ACCEPTANCE), when this
-        request's arrival ages the earlier requests' first drafting steps (its first_drafts)."""
+        and feed; taken when the kind is first asked for (None: the fixed adaptive.PRIOR_ACCEPTANCE)."""
         stats = self._acceptance_by_kind.get(kind)
         if stats is None:
             if self._acceptance_by_kind:
@@ -253,8 +252,6 @@ class Sequence:
                 stats = self.acceptance
                 stats.prior = prior
             self._acceptance_by_kind[kind] = stats
-            if prior is not None:
-                prior.first_drafts.new_request()
         return stats
 
     @property

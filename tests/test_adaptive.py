@@ -341,110 +341,6 @@ def test_a_probe_does_not_pay_a_catch_up_that_no_acceptance_could_earn():
     assert choose_k(idle, costs, 4, catch_up_s=0.05, remaining=100) == 1  # a short stretch to catch up on
 
 
-def _arrival(prior: adaptive.AcceptancePrior) -> AcceptanceStats:
-    """A new request's estimates on an engine with `prior` (as Sequence.acceptance_for makes them: its arrival
-    ages the earlier requests' first steps)."""
-    prior.first_drafts.new_request()
-    return AcceptanceStats(prior)
-
-
-def test_first_drafts_are_learned_from_each_requests_first_drafting_step_only():
-    """The engine's prior learns from every drafting step; its first_drafts only from each request's first one,
-    each arrival weighing the earlier ones FIRST_DRAFT_DECAY less, leaning on the engine's prior
-    (FIRST_DRAFT_WEIGHT steps of it). Requests that stay plain return it toward the engine's prior."""
-    prior = adaptive.AcceptancePrior()
-    first, d, w = prior.first_drafts, adaptive.FIRST_DRAFT_DECAY, adaptive.FIRST_DRAFT_WEIGHT
-    assert first.rates(3) == prior.rates(3)  # nothing learned: the engine's prior
-    kept_drafting = _arrival(prior)
-    for _ in range(60):
-        kept_drafting.update(2, 2)
-    assert prior.rate(0) > 0.9
-    assert first.counts(0) == (1.0, 1.0)  # its first step alone
-    rejected = _arrival(prior)
-    rejected.update(0, 0)  # a plain step first: not a drafting step
-    assert not rejected.drafted and first.counts(0) == pytest.approx((d, d))
-    rejected.update(1, 0)
-    rejected.update(1, 1)  # not its first: not counted
-    assert rejected.drafted and first.counts(0) == pytest.approx((d, d + 1))
-    assert first.rates(1)[0] == pytest.approx((d + prior.rate(0) * w) / (d + 1 + w))
-    for _ in range(2):
-        _arrival(prior).update(1, 0)
-    failed = first.rates(1)[0]
-    assert failed < 0.5 < 0.85 < prior.rate(0)  # the latest first steps failed, the drafting requests' steps pass
-    for _ in range(3):
-        _arrival(prior)  # requests that stayed plain
-    assert first.rates(1)[0] > failed + 0.2
-
-
-def _qwen_pair_costs_now() -> StepCosts:
-    """The Qwen pair on a 2-core CPU today: a 26 ms plain step, 12 ms a draft token, 5 ms a verified row."""
-    costs = StepCosts(4)
-    for _ in range(9):
-        for k in range(5):
-            costs.record(k, 0.026 + k * (0.005 + 0.012), k * 0.012)
-    return costs
-
-
-def test_a_new_requests_first_drafting_step_is_priced_at_what_first_steps_accepted():
-    """Spec-Bench's translation on the Qwen pair: the requests that kept drafting accepted ~0.85 (the engine's
-    prior), but each new request's first draft was rejected. A new request with a prompt for the draft to read
-    (40 tokens at 2.1 ms) then stays plain; with nothing to read (a lookup, or a request that has drafted) the
-    engine's prior prices its drafts as before."""
-    costs, prior = _qwen_pair_costs_now(), adaptive.AcceptancePrior()
-    for _ in range(10):
-        request = _arrival(prior)
-        for _ in range(10):
-            request.update(4, 4)
-    catch_up = 40 * 0.0021
-    assert choose_k(_arrival(prior), costs, 4, catch_up, remaining=64) > 0
-    for _ in range(3):
-        _arrival(prior).update(1, 0)
-    assert prior.rate(0) > 0.85
-    new = _arrival(prior)
-    assert choose_k(new, costs, 4, catch_up, remaining=64) == 0
-    assert choose_k(new, costs, 4) > 0  # nothing to read: the engine's prior
-    new.update(1, 1)
-    assert choose_k(new, costs, 4, catch_up, remaining=64) > 0  # it has drafted: its own counts and the prior
-
-
-def test_a_request_whose_draft_has_not_read_its_prompt_probes_where_drafting_requests_would_earn_it():
-    """Due for a probe after 16 plain steps, a request whose draft has not read its prompt (54 tokens at 2.1 ms)
-    probes only where drafting at what the engine's drafting requests accept would earn that reading back over
-    what it may still generate: not with 8 tokens left, yes with 500. A request that has drafted probes as
-    before (could it pay were every draft accepted?). Where even the engine's prior does not pay with nothing to
-    read, no request drafts by choice: the probe asks only whether every draft accepted could pay, so the
-    prior keeps learning."""
-    costs, good = _qwen_pair_costs_now(), adaptive.AcceptancePrior()
-    for _ in range(10):
-        request = _arrival(good)
-        for _ in range(10):
-            request.update(1, 1)
-    for _ in range(3):
-        _arrival(good).update(1, 0)  # recent first steps failed: new requests stay plain
-    new = _arrival(good)
-    for _ in range(adaptive.PROBE_INTERVAL):
-        new.update(0, 0)
-    assert new.due_for_probe and not new.drafted
-    catch_up = 54 * 0.0021
-    assert choose_k(new, costs, 4, catch_up, remaining=8) == 0
-    assert choose_k(new, costs, 4, catch_up, remaining=500) == 1
-    drafted = _arrival(good)
-    for _ in range(5):
-        drafted.update(2, 0)
-    for _ in range(adaptive.PROBE_INTERVAL):
-        drafted.update(0, 0)
-    assert choose_k(drafted, costs, 4, 16 * 0.0021, remaining=20) == 1  # what it missed since
-    poor = adaptive.AcceptancePrior()
-    for _ in range(20):
-        _arrival(poor).update(1, 0)
-    idle = _arrival(poor)
-    for _ in range(adaptive.PROBE_INTERVAL):
-        idle.update(0, 0)
-    assert choose_k(idle, costs, 4) == 1  # nothing to read: a probe
-    assert choose_k(idle, costs, 4, catch_up, remaining=60) == 1  # every draft accepted could earn it
-    assert choose_k(idle, costs, 4, 3.4, remaining=60) == 0  # a 700-token prompt: not even so
-
-
 def test_catch_up_cost_per_token_is_the_drafting_less_its_draft_tokens():
     costs = _qwen_pair_costs()
     assert costs.catch_up_per_token() == 0.0  # not measured: not priced
@@ -571,9 +467,6 @@ def test_the_engine_learns_a_prior_per_draft_kind():
         assert seq.metrics.accepted_tokens == seq.metrics.proposed_tokens > 0
     prior = experienced.policy.acceptance_prior("model")
     assert prior.rate(0) > 0.9
-    d = adaptive.FIRST_DRAFT_DECAY  # each request's first step, the later ones weighing more (their arrivals)
-    assert prior.first_drafts.counts(0)[1] == pytest.approx(1 + d + d ** 2 + d ** 3)
-    assert min(prior.first_drafts.rates(4)) > 0.9
     seq, drafted = first_drafting_step(experienced, [3, 1, 4, 1, 5])
     assert drafted == 4 and seq.acceptance_for("model").prior is prior
     assert first_drafting_step(engine(), [3, 1, 4, 1, 5])[1] == 1  # no history: the fixed prior of 0.6 a position

@@ -254,6 +254,26 @@ def test_bench_sampling(tiny_dataset):
     assert set(report["k_sweep"]) == {"ngram"} and report["k_sweep"]["ngram"]["k"] == [2]
 
 
+def test_shuffle_runs_the_records_in_a_seeded_order_across_categories(tiny_dataset):
+    """--shuffle SEED: the same records (limits taken in file order first), in a random order of that seed, so
+    categories interleave (a mixed workload); the report says the seed and lists the prompts as they ran."""
+    from quickdraft.bench import dataset
+    records = dataset.load_records(tiny_dataset)
+    in_file_order = [r.question_id for r in dataset.select(records, limit_per_category=2)]
+    orders = {seed: [r.question_id for r in dataset.select(records, limit_per_category=2, shuffle=seed)]
+              for seed in range(6)}
+    assert all(sorted(order) == sorted(in_file_order) for order in orders.values())
+    assert orders[3] == [r.question_id for r in dataset.select(records, limit_per_category=2, shuffle=3)]
+    assert any(order != in_file_order for order in orders.values())
+    model = tiny_llama(vocab_size=len(WORDS), layers=2)
+    cfg = BenchConfig(dataset=str(tiny_dataset), methods="ngram", k="2", max_new_tokens=3, cost_repeats=1,
+                      shuffle=3)
+    report = run_bench(cfg, model=model, tokenizer=tiny_tokenizer(), progress=False)
+    assert report["config"]["shuffle"] == 3
+    ran = [prompt["question_id"] for prompt in report["methods"]["ngram"]["prompts"]]
+    assert ran == [r.question_id for r in dataset.select(records, shuffle=3)]
+
+
 def test_batch_sweep(tiny_dataset, tmp_path):
     """--batch-sizes: every method at every batch size over the same prompts; greedy outputs equal batch 1's
     and none's; hf as padded batches; JSON and the speedup plot."""

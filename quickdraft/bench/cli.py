@@ -23,6 +23,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default 256)")
     p.add_argument("--limit-per-category", type=int, default=None, help="at most this many records per category")
     p.add_argument("--categories", default=None, help="comma list of categories (default: all)")
+    p.add_argument("--shuffle", type=int, default=None, metavar="SEED",
+                   help="run the records in a random order of this seed across categories (a mixed workload; "
+                        "default: file order, each category a block); the tables list categories as they first ran")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--plots", default=None, help="write PNG plots into this directory")
@@ -50,7 +53,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     cfg = BenchConfig(dataset=args.dataset or str(DEFAULT_DATASET), model=args.model or DEFAULT_MODEL,
                       methods=args.methods, k=args.k, max_new_tokens=args.max_new_tokens,
-                      limit_per_category=args.limit_per_category, categories=args.categories,
+                      limit_per_category=args.limit_per_category, categories=args.categories, shuffle=args.shuffle,
                       temperature=args.temperature, out=args.out, plots=args.plots, dtype=args.dtype,
                       device=args.device, threads=args.threads, seed=args.seed, adaptive=not args.fixed_k,
                       runner=args.runner, batch_sizes=args.batch_sizes, tree=args.tree)

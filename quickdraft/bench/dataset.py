@@ -8,6 +8,7 @@ Apache-2.0, its README says what it holds), which `quickdraft bench` runs withou
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,8 +69,11 @@ def categories_of(records: Sequence[Record]) -> list[str]:
 
 
 def select(records: Sequence[Record], categories: Sequence[str] | None = None,
-           limit_per_category: int | None = None) -> list[Record]:
-    """The records of the given categories (all when None), at most `limit_per_category` of each, in file order."""
+           limit_per_category: int | None = None, shuffle: int | None = None) -> list[Record]:
+    """The records of the given categories (all when None), at most `limit_per_category` of each (the first in the
+    file), in file order, or with `shuffle` in a random order of that seed across categories: a mixed workload, where
+    what adaptive K learns from the requests before a request is not from its own category (in file order, Spec-Bench
+    runs each category as a block, which favours anything learned from the previous few requests)."""
     known = categories_of(records)
     if categories:
         unknown = [c for c in categories if c not in known]
@@ -85,6 +89,8 @@ def select(records: Sequence[Record], categories: Sequence[str] | None = None,
         if record.category in wanted and (limit_per_category is None or taken[record.category] < limit_per_category):
             taken[record.category] += 1
             selected.append(record)
+    if shuffle is not None:
+        random.Random(shuffle).shuffle(selected)
     return selected
 
 

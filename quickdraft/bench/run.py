@@ -39,6 +39,7 @@ class BenchConfig:
     max_new_tokens: int = 256
     limit_per_category: int | None = None
     categories: str | None = None
+    shuffle: int | None = None  # run the records in a random order of this seed across categories (dataset.select)
     temperature: float = 0.0
     out: str | None = None
     plots: str | None = None
@@ -61,7 +62,8 @@ def _split(text: str | None) -> list[str] | None:
 
 def _validate(cfg: BenchConfig):
     TreeSettings.from_config(tree_setting(cfg.tree))  # a malformed --tree before anything loads
-    records = dataset.select(dataset.load_records(cfg.dataset), _split(cfg.categories), cfg.limit_per_category)
+    records = dataset.select(dataset.load_records(cfg.dataset), _split(cfg.categories), cfg.limit_per_category,
+                             cfg.shuffle)
     specs = methods.parse_methods(cfg.methods)
     ks = methods.parse_k_list(cfg.k)
     if not (isinstance(cfg.max_new_tokens, int) and cfg.max_new_tokens >= 1):
@@ -184,6 +186,7 @@ def run_bench(cfg: BenchConfig, *, model=None, tokenizer=None, console=None, pro
         "methods": [s.name for s in specs], "k": ks, "k_sweep": len(ks) > 1,
         "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
         "categories": dataset.categories_of(records), "limit_per_category": cfg.limit_per_category,
+        "shuffle": cfg.shuffle,
         "n_prompts": len(records), "n_turns": sum(len(r.turns) for r in records),
         "prompt_format": prompts.description,
         "order": "interleaved: for each prompt every method in turn, after one warm-up generation each",

@@ -120,7 +120,9 @@ class SpeculationPolicy:
             # A model draft that has not read the prompt (or what it missed at K = 0) reads it first: priced.
             unread = self.proposer.unread_history(seq) if kind == "model" else 0
             catch_up_s = unread * costs.catch_up_per_token()
-            remaining = self.output_lengths.expected_remaining(len(seq.output_ids), seq.params.max_tokens)
+            # What it may still generate spreads a catch-up; nothing to read, nothing to spread (not read then).
+            remaining = self.output_lengths.expected_remaining(len(seq.output_ids), seq.params.max_tokens) \
+                if catch_up_s > 0 else None
             k = adaptive.choose_k(stats, costs, caps[0], catch_up_s, remaining, self.probe_credit)
             if k == 0:
                 self.probe_credit += adaptive.PROBE_BUDGET * (costs.estimate(0) or 0.0)

@@ -267,13 +267,13 @@ def test_a_request_accepting_every_single_draft_tries_a_deeper_one():
     assert choose_k(fails_second, costs, 4) == 1
 
 
-def _qwen_pair_costs() -> StepCosts:
-    """The Qwen 1.5B + 0.5B pair's one-sequence step costs on a 2-core CPU: a 54 ms plain step, ~10 ms a target
-    row, 24 ms a draft token (benchmarks/RESULTS.md, session 24)."""
+def _qwen_pair_costs(plain: float = 0.054, row: float = 0.010, draft: float = 0.024, repeats: int = 3) -> StepCosts:
+    """The Qwen 1.5B + 0.5B pair's one-sequence step costs on a 2-core CPU: by default a 54 ms plain step, ~10 ms a
+    target row, 24 ms a draft token (benchmarks/RESULTS.md, session 24)."""
     costs = StepCosts(4)
-    for _ in range(3):
+    for _ in range(repeats):
         for k in range(5):
-            costs.record(k, 0.054 + k * (0.010 + 0.024), k * 0.024)
+            costs.record(k, plain + k * (row + draft), k * draft)
     return costs
 
 
@@ -313,10 +313,7 @@ def test_a_short_answers_catch_up_is_priced_over_what_it_may_still_generate():
     """The Qwen pair on a 2-core CPU (a 26 ms plain step, 12 ms a draft token, 5 ms a verified row, 2.1 ms a prompt
     token for the draft to read) and a qa prompt of 40 tokens, drafts accepted 0.8 of the time: spread over 64
     tokens the prompt's reading pays, over the ~20 that qa answers ran to it does not."""
-    costs = StepCosts(4)
-    for _ in range(9):
-        for k in range(5):
-            costs.record(k, 0.026 + k * (0.005 + 0.012), k * 0.012)
+    costs = _qwen_pair_costs(plain=0.026, row=0.005, draft=0.012, repeats=9)
     stats = AcceptanceStats()
     for i in range(100):  # 8 of every 10 single drafts accepted, evenly spread
         stats.update(1, int(i * 8 % 10 < 8))

@@ -63,7 +63,7 @@ def _split(text: str | None) -> list[str] | None:
 def _validate(cfg: BenchConfig):
     TreeSettings.from_config(tree_setting(cfg.tree))  # a malformed --tree before anything loads
     records = dataset.select(dataset.load_records(cfg.dataset), _split(cfg.categories), cfg.limit_per_category,
-                             cfg.shuffle)
+                             shuffle=cfg.shuffle)
     specs = methods.parse_methods(cfg.methods)
     ks = methods.parse_k_list(cfg.k)
     if not (isinstance(cfg.max_new_tokens, int) and cfg.max_new_tokens >= 1):

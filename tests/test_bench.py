@@ -364,3 +364,54 @@ def test_the_table_and_the_bar_say_what_they_count(tiny_dataset, capsys):
               console=Console(file=out, width=300))
     assert "2 prompts (3 turns) run by each method" in out.getvalue()
     assert "4/4 runs (2 prompts x 2 methods)" in capsys.readouterr().err
+
+
+def _prompt_result(question_id, category: str, tokens: int, seconds: float):
+    from quickdraft.bench.dataset import Record
+    from quickdraft.bench.methods import Generation
+    from quickdraft.bench.report import PromptResult, Turn
+
+    return PromptResult(Record(question_id, category, ("x",)), [Turn([1], Generation([0] * tokens, seconds))])
+
+
+def test_a_groups_speedup_comes_with_its_interval_over_its_prompts():
+    """speedup_interval: the central 95% of the group's speedup (mean tokens/s over none's) when its prompts are
+    resampled in pairs (a prompt's two runs together). Equal ratios give no spread; a spread of ratios gives an
+    interval about the speedup, inside the prompts' least and greatest ratios; the same results give the same
+    interval; fewer than two paired prompts give none."""
+    from quickdraft.bench.report import speedup_interval
+
+    none = [_prompt_result(q, "qa", 64, seconds) for q, seconds in enumerate([1.0, 2.0, 1.5, 0.5])]
+    same = [_prompt_result(q, "qa", 64, seconds / 1.1) for q, seconds in enumerate([1.0, 2.0, 1.5, 0.5])]
+    low, high = speedup_interval(same, none)
+    assert low == pytest.approx(1.1) and high == pytest.approx(1.1)
+
+    spread = [_prompt_result(q, "qa", 64, seconds / ratio)
+              for q, (seconds, ratio) in enumerate(zip([1.0, 2.0, 1.5, 0.5, 1.0, 1.0], [0.85, 1.2, 0.95, 1.0, 0.9, 1.1]))]
+    reference = [_prompt_result(q, "qa", 64, seconds) for q, seconds in enumerate([1.0, 2.0, 1.5, 0.5, 1.0, 1.0])]
+    low, high = speedup_interval(spread, reference)
+    point = (sum(r.tokens_per_s for r in spread) / 6) / (sum(r.tokens_per_s for r in reference) / 6)
+    assert 0.85 < low < point < high < 1.2 and high - low > 0.05
+    assert speedup_interval(spread, reference) == [low, high]
+    assert speedup_interval(list(reversed(spread)), reference) == pytest.approx([low, high], abs=0.02)  # paired by id
+    assert speedup_interval(spread[:1], reference) is None
+    assert speedup_interval(spread, reference[:1]) is None  # one prompt ran by both
+
+
+def test_the_report_gives_each_groups_interval(tiny_dataset, capsys):
+    """The report's groups carry speedup_vs_none_interval (none's own: None), and the table shows it."""
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    cfg = BenchConfig(dataset=str(tiny_dataset), methods="ngram", k="2", max_new_tokens=4,
+                      categories="writing,qa", cost_repeats=1)
+    report = run_bench(cfg, model=tiny_llama(vocab_size=len(WORDS), layers=2), tokenizer=tiny_tokenizer(),
+                       console=Console(file=out, width=300), progress=False)
+    ngram, none = report["methods"]["ngram"], report["methods"]["none"]
+    low, high = ngram["overall"]["speedup_vs_none_interval"]
+    assert low <= ngram["overall"]["speedup_vs_none"] <= high
+    assert all(len(ngram["categories"][c]["speedup_vs_none_interval"]) == 2 for c in CATEGORIES)
+    assert none["overall"]["speedup_vs_none_interval"] is None
+    assert f"[{low:.2f}, {high:.2f}]" in out.getvalue() and "95% interval" in out.getvalue()

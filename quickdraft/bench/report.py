@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import statistics
+
+import numpy as np
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -103,6 +105,41 @@ def group_stats(results: Sequence[PromptResult], greedy: bool) -> dict[str, Any]
 
 SECOND_TURNS = "second turns"  # the later turns of multi-turn records, which follow the method's own first answer
 
+# speedup_interval: bootstrap resamples, and its seed (the same results give the same interval).
+INTERVAL_SAMPLES = 4000
+INTERVAL_SEED = 0
+
+
+def speedup_interval(mine: Sequence[PromptResult], theirs: Sequence[PromptResult],
+                     level: float = 0.95) -> list[float] | None:
+    """How far a group's speedup (the mean of its prompts' tokens/s over the reference's, as speedup_vs_none) moves
+    with which of its prompts ran: the central `level` interval of that ratio over bootstrap resamples of the
+    prompts, each resample taking a prompt's two runs together (paired by question id). None with fewer than two
+    prompts both ran.
+
+    Why: a category of 4 prompts reads +-0.05 from one run of the same code to the next on a 2-core CPU (a record
+    whose drafts all failed read 0.85-1.23x its own plain decoding), so a per-category figure says little without
+    its spread; an interval that lies below a target says more than a point that does."""
+    reference = {r.record.question_id: r.tokens_per_s for r in theirs}
+    pairs = [(r.tokens_per_s, reference[r.record.question_id]) for r in mine
+             if r.tokens_per_s is not None and reference.get(r.record.question_id)]
+    if len(pairs) < 2:
+        return None
+    rates = np.array(pairs)  # [prompts, 2]: this method's tokens/s, the reference's
+    picks = np.random.default_rng(INTERVAL_SEED).integers(0, len(pairs), (INTERVAL_SAMPLES, len(pairs)))
+    ratios = rates[picks, 0].mean(axis=1) / rates[picks, 1].mean(axis=1)  # [samples]
+    tail = (1 - level) / 2
+    return [float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1 - tail))]
+
+
+def _group_results(results: Sequence[PromptResult], group: str) -> list[PromptResult]:
+    """The prompts (or, for SECOND_TURNS, the later turns) of a row of the by-category table."""
+    if group == "overall":
+        return list(results)
+    if group == SECOND_TURNS:
+        return [PromptResult(r.record, r.turns[1:]) for r in results if len(r.turns) > 1]
+    return [r for r in results if r.record.category == group]
+
 
 def _variant_stats(results: Sequence[PromptResult], categories: Sequence[str], greedy: bool) -> dict:
     groups = {c: group_stats([r for r in results if r.record.category == c], greedy) for c in categories}
@@ -125,7 +162,7 @@ def build_report(config: dict, runners: Sequence[Runner], results: dict[str, lis
     greedy = config["temperature"] == 0
     variants = {r.label: _variant_stats(results[r.label], categories, greedy) for r in runners}
     references = {name: variants.get(name) for name in REFERENCES}
-    for stats in variants.values():
+    for label, stats in variants.items():
         for group in ["overall", *stats["categories"]]:
             mine = stats["overall"] if group == "overall" else stats["categories"][group]
             for name, ref in references.items():
@@ -133,6 +170,8 @@ def build_report(config: dict, runners: Sequence[Runner], results: dict[str, lis
                     theirs = ref["overall"] if group == "overall" else ref["categories"].get(group)
                     if theirs is not None:
                         mine[f"speedup_vs_{name}"] = _ratio(mine["tokens_per_s"], theirs["tokens_per_s"])
+            mine["speedup_vs_none_interval"] = None if references.get("none") is None or label == "none" else \
+                speedup_interval(_group_results(results[label], group), _group_results(results["none"], group))
 
     predictions = {}
     for runner in runners:
@@ -212,6 +251,13 @@ def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _speedup_cell(stats: dict) -> str:
+    """A group's speedup vs none, with its interval where there is one: "0.94 [0.89, 0.99]"."""
+    interval = stats.get("speedup_vs_none_interval")
+    cell = _fmt(stats["speedup_vs_none"])
+    return cell if not interval else f"{cell} [{interval[0]:.2f}, {interval[1]:.2f}]"
+
+
 def render(report: dict, console) -> None:
     from rich.table import Table
 
@@ -238,13 +284,15 @@ def render(report: dict, console) -> None:
     if sweep:
         console.print("[dim]K column: the best K of the sweep (by measured tokens/s)[/dim]")
 
-    by_category = Table(title="by category: tokens/s of none, and each method's speedup vs none")
+    by_category = Table(title="by category: tokens/s of none, and each method's speedup vs none",
+                        caption="in brackets: the 95% interval of the speedup over which of the group's prompts ran "
+                                "(bootstrap, prompts paired with none's runs)")
     for column in ["category", "prompts", "none tok/s", *[n for n in methods if n != "none"]]:
         by_category.add_column(column, justify="left" if column == "category" else "right")
     for group in _groups(config, methods):
         stats = {n: m["overall"] if group == "overall" else m["categories"][group] for n, m in methods.items()}
         by_category.add_row(group, str(stats["none"]["n_prompts"]), _fmt(stats["none"]["tokens_per_s"], ".1f"),
-                            *[_fmt(s["speedup_vs_none"]) for n, s in stats.items() if n != "none"])
+                            *[_speedup_cell(s) for n, s in stats.items() if n != "none"])
     console.print(by_category)
 
     if sweep and report["k_sweep"]:

@@ -273,7 +273,7 @@ class StepCosts:
     def estimate(self, k: int) -> float | None:
         """A step's time with k drafts at the machine's speed now: measured, or from its parts (linearly inferred
         from the whole steps' times where the parts were never timed)."""
-        if self.curve.measured(k) or not self.rest.points:
+        if self.curve.measured(k) or not self.rest.measured_any:
             known = self.curve.estimate(k, PRIOR_COST_SLOPE)
             return None if known is None else known * self.speed
         return (self.rest.estimate(k, PRIOR_COST_SLOPE) + k * self._draft_per_token()) * self.speed
@@ -452,10 +452,13 @@ def choose_k(stats: AcceptanceStats, costs: StepCosts, max_k: int, catch_up_s: f
     seconds = [costs.estimate(k) for k in range(max_k + 1)]
     if None in seconds:
         return max_k
-    rates = stats.rates(max_k)  # once: E(k) reads its first k
-    best_k, best_rate = max_k, 0.0
+    # E(k) for every k in one pass: the same running sums, in the same order, as expected_tokens_per_step(rates[:k])
+    # (test_expected_tokens_and_choices_are_the_same_to_the_last_bit), without re-walking the chain for each k.
+    chain = acceptance_chain(stats.rates(max_k), max_k)
+    best_k, best_rate, tokens = max_k, 0.0, 1.0
     for k, step in enumerate(seconds):
-        tokens = expected_tokens_per_step(rates[:k], None, k)
+        if k:
+            tokens += chain[k - 1]
         rate = tokens / (step + (tokens * share if k else 0.0))
         if rate > best_rate:
             best_k, best_rate = k, rate

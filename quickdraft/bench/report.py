@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import math
 import statistics
-
-import numpy as np
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
+
+import numpy as np
 
 from quickdraft.bench import costs
 from quickdraft.bench.dataset import Record

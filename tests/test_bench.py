@@ -398,7 +398,7 @@ def test_a_groups_speedup_comes_with_its_interval_over_its_prompts():
     assert speedup_interval(spread, reference[:1]) is None  # one prompt ran by both
 
 
-def test_the_report_gives_each_groups_interval(tiny_dataset, capsys):
+def test_the_report_gives_each_groups_interval(tiny_dataset):
     """The report's groups carry speedup_vs_none_interval (none's own: None), and the table shows it."""
     import io
 

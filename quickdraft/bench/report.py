@@ -142,8 +142,8 @@ def _group_results(results: Sequence[PromptResult], group: str) -> list[PromptRe
 
 
 def _variant_stats(results: Sequence[PromptResult], categories: Sequence[str], greedy: bool) -> dict:
-    groups = {c: group_stats([r for r in results if r.record.category == c], greedy) for c in categories}
-    later = [PromptResult(r.record, r.turns[1:]) for r in results if len(r.turns) > 1]
+    groups = {c: group_stats(_group_results(results, c), greedy) for c in categories}
+    later = _group_results(results, SECOND_TURNS)
     if later:
         groups[SECOND_TURNS] = group_stats(later, greedy)
     return {"overall": group_stats(results, greedy), "categories": groups}

@@ -31,6 +31,17 @@ class StepTiming:
     t3: float
 
 
+def cost_kind(kind: str) -> str:
+    """The kind whose step costs drafts of `kind` share: a class of a kind ("lookup:2") costs what the kind does
+    (Proposer.draft_kind)."""
+    return kind.partition(":")[0]
+
+
+def _any_model(kinds: list[str]) -> bool:
+    """Whether any of the step's drafts runs a draft model (its batch costs differ: BatchCosts)."""
+    return any(cost_kind(kind) == "model" for kind in kinds)
+
+
 def _plain_rows(seqs: list[Sequence]) -> int:
     """The rows a step verifies without drafts: each sequence's unread tokens (its last one, or a prompt)."""
     return sum(max(1, len(seq.token_ids) - len(seq.target_cache)) for seq in seqs)
@@ -61,7 +72,9 @@ class SpeculationPolicy:
 
     # --- what the engine has learned ------------------------------------------------------------------------
     def step_costs_of(self, kind: str) -> adaptive.StepCosts:
-        """The one-sequence step costs of drafts of `kind` (the first kind's are self.step_costs)."""
+        """The one-sequence step costs of drafts of `kind` (the first kind's are self.step_costs): those of its
+        cost_kind."""
+        kind = cost_kind(kind)
         costs = self._step_costs_by_kind.get(kind)
         if costs is None:
             costs = self._step_costs_by_kind[kind] = \
@@ -118,7 +131,7 @@ class SpeculationPolicy:
             seq, kind = seqs[0], kinds[0]
             costs, stats = self.step_costs_of(kind), self.acceptance(seq, kind)
             # A model draft that has not read the prompt (or what it missed at K = 0) reads it first: priced.
-            unread = self.proposer.unread_history(seq) if kind == "model" else 0
+            unread = self.proposer.unread_history(seq) if cost_kind(kind) == "model" else 0
             catch_up_s = unread * costs.catch_up_per_token()
             # What it may still generate spreads a catch-up; nothing to read, nothing to spread (not read then).
             remaining = self.output_lengths.expected_remaining(len(seq.output_ids), seq.params.max_tokens) \
@@ -131,7 +144,7 @@ class SpeculationPolicy:
             return [k]
         base_rows = _plain_rows(seqs)
         return adaptive.choose_batch_k([self.acceptance(seq, kind) for seq, kind in zip(seqs, kinds)], caps,
-                                       base_rows, self.batch_costs, "model" in kinds)
+                                       base_rows, self.batch_costs, _any_model(kinds))
 
     def tree_budgets(self, seqs: list[Sequence], ks: list[int], kinds: list[str]) -> list[TreeBudget | None]:
         """The token tree each sequence may take this step (None: a chain step): depth up to its k (the step's
@@ -160,7 +173,7 @@ class SpeculationPolicy:
         plain = _plain_rows(seqs)
         rows = plain + sum(ks)
         costs = self.batch_costs
-        step = costs.step_seconds(rows, max(ks, default=0), sum(k > 0 for k in ks), "model" in kinds, plain)
+        step = costs.step_seconds(rows, max(ks, default=0), sum(k > 0 for k in ks), _any_model(kinds), plain)
         now, more = costs.target_seconds(rows, plain), costs.target_seconds(rows + 1, plain)
         if step is None or now is None or more is None or step <= 0:
             return 0.0

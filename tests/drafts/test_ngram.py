@@ -43,3 +43,40 @@ def test_options_come_from_the_config_and_bad_sizes_are_refused():
         NgramProposer(min_n=3, max_n=2)
     with pytest.raises(QuickdraftError, match="prompt_lookup_min <= prompt_lookup_max"):
         SpeculativeConfig.from_dict({"method": "ngram", "prompt_lookup_min": 0})
+
+
+def _seq(history: list[int]) -> Sequence:
+    return Sequence(history, SamplingParams(temperature=0, max_tokens=8), None, torch.device("cpu"), 32)
+
+
+def test_a_one_token_match_is_a_kind_of_its_own_and_a_draft_runs_to_the_historys_end():
+    """Adaptive K learns 1-token matches' acceptance apart from longer ones' (draft_kind "lookup:1"), and a step's
+    cap is what the history holds after the match (0 where nothing matches: the step does not draft)."""
+    proposer = NgramProposer(max_n=6)
+    cases = [  # history, kind, tokens after the match
+        ([7, 1, 2, 8, 1, 2, 9, 5], "lookup", 0),  # 5 never occurred before
+        ([7, 1, 2, 8, 9, 4, 1], "lookup:1", 5),  # 1 at position 1: 2 8 9 4 1 follow
+        ([7, 1, 2, 8, 9, 4, 1, 2], "lookup", 5),
+        ([7, 1, 2, 8, 9, 4, 7, 1, 2], "lookup", 6),  # 7 1 2 at 0: 8 9 4 7 1 2 follow
+        ([3, 7, 1, 2, 8, 9, 3, 7, 1, 2], "lookup", 6),
+        ([6, 3, 7, 1, 2, 8, 9, 6, 3, 7, 1, 2], "lookup", 7),  # 5 tokens matched
+    ]
+    for history, kind, after in cases:
+        seq = _seq(history)
+        assert proposer.draft_kind(seq) == kind, history
+        assert proposer.max_draft_tokens(seq) == after, history
+        assert proposer.propose(seq, 10).tokens.tolist() == history[len(history) - after:], history
+
+
+def test_the_match_is_found_once_per_history_and_found_again_as_it_grows():
+    proposer = NgramProposer()
+    seq = _seq([7, 1, 2, 8, 1, 2])
+    index = seq.draft_state = proposer.new_state(seq)
+    assert proposer.propose(seq, 2).tokens.tolist() == [8, 1] and proposer.max_draft_tokens(seq) == 3
+    index.latest = {n: {} for n in index.latest}  # every n-gram forgotten: this history's answer is kept
+    assert proposer.max_draft_tokens(seq) == 3 and proposer.propose(seq, 2).tokens.tolist() == [8, 1]
+    seq.commit([], 0, 8, set(), 64)  # a longer history is looked up anew: the tables hold only what 8 added
+    assert seq.token_ids == [7, 1, 2, 8, 1, 2, 8] and proposer.max_draft_tokens(seq) == 0
+    assert proposer.draft_kind(seq) == "lookup" and proposer.propose(seq, 4).tokens.tolist() == []
+    fresh = _seq(seq.token_ids)  # the whole history indexed: "1 2 8" occurred at 1
+    assert proposer.max_draft_tokens(fresh) == 3 and proposer.propose(fresh, 4).tokens.tolist() == [1, 2, 8]

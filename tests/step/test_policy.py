@@ -19,7 +19,7 @@ class _Cache(list):
     """A target cache of some length (the policy reads only len())."""
 
 
-def _decoding(params: SamplingParams, prompt=(1, 2, 3, 1, 2)) -> Sequence:
+def _decoding(params: SamplingParams, prompt=(1, 2, 3, 4, 5, 6, 1, 2)) -> Sequence:  # "1 2" matched: 6 to draft
     seq = Sequence(list(prompt), params, None, CPU, 32)
     seq.target_cache = _Cache([0] * (len(prompt) - 1))  # the prompt read: one token to feed
     return seq
@@ -71,6 +71,24 @@ def test_adaptive_k_stops_drafting_where_a_draft_cannot_pay():
     for _ in range(30):
         alone.acceptance(seq, "lookup").update(4, 0)
     assert alone.choose_ks([seq], ["lookup"]) == [0]
+
+
+def test_a_kinds_classes_learn_their_acceptance_apart_and_share_its_step_costs():
+    """ngram's 1-token matches ("lookup:1") rarely pass and its longer ones ("lookup") mostly do: one request, one
+    set of lookup step costs, and adaptive K drafts on the one and not on the other."""
+    policy = _policy()
+    assert policy.step_costs_of("lookup:1") is policy.step_costs_of("lookup") is policy.step_costs_of("lookup:2")
+    assert policy.acceptance_prior("lookup:1") is not policy.acceptance_prior("lookup")
+    for _ in range(9):
+        for k in range(5):
+            policy.step_costs_of("lookup:1").record(k, 1.0 + 0.2 * k)
+    seq = _decoding(SamplingParams(max_tokens=50))
+    for _ in range(30):
+        policy.acceptance(seq, "lookup:1").update(4, 0)
+        policy.acceptance(seq, "lookup").update(4, 4)
+    assert policy.acceptance(seq, "lookup:1").rate(0) < 0.2 and policy.acceptance(seq, "lookup").rate(0) > 0.8
+    assert policy.choose_ks([seq], ["lookup:1"]) == [0]
+    assert policy.choose_ks([seq], ["lookup"]) == [4]
 
 
 def test_fixed_k_takes_each_cap_and_the_step_feeds_acceptance_only_when_adaptive():

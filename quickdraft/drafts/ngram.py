@@ -52,20 +52,27 @@ class NgramIndex(DraftState):
         self.latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
         self.ids: list[int] = []  # the history indexed so far
         # match()'s answer for the history length it was asked at: a step asks it for the draft's kind, its
-        # length and its tokens (prepare, draft_kind, max_draft_tokens, propose), and the history is the same.
+        # length and its tokens (draft_kind, max_draft_tokens, propose), and the history is the same.
         self._match: tuple[int, tuple[int, int]] | None = None
+        # The history's last-n tokens as match() made them, by n: the windows the next token makes indexable
+        # (a step's one committed token then costs no new keys; at 64 sequences this is host time every step).
+        self._suffixes: dict[int, tuple[int, ...]] = {}
 
     def _catch_up(self, history: list[int]) -> None:
         ids = self.ids
-        if len(history) < len(ids) or (ids and history[len(ids) - 1] != ids[-1]):  # not an extension: start over
-            self.__init__(self.min_n, self.max_n)
-            ids = self.ids
         old = len(ids)
+        if len(history) == old and (not old or history[-1] == ids[-1]):  # nothing new (asked again this step)
+            return
+        if len(history) < old or (ids and history[old - 1] != ids[-1]):  # not an extension: start over
+            self.__init__(self.min_n, self.max_n)
+            ids, old = self.ids, 0
         ids.extend(history[old:])
+        suffixes = self._suffixes if self._match is not None and self._match[0] == old else {}
         for n, latest in self.latest.items():
             # Windows ending (exclusive) at e <= len - 1, i.e. inside the history but its last token.
             for end in range(max(n, old), len(ids)):
-                latest[tuple(ids[end - n:end])] = end - n
+                key = suffixes.get(n) if end == old else None
+                latest[key if key is not None else tuple(ids[end - n:end])] = end - n
 
     def match(self, history: list[int]) -> tuple[int, int]:
         """(where the continuation starts in the history, the length n of the matched suffix); n = 0 where
@@ -74,9 +81,11 @@ class NgramIndex(DraftState):
         ids, length = self.ids, len(self.ids)
         if self._match is not None and self._match[0] == length:
             return self._match[1]
+        suffixes = self._suffixes = {n: tuple(ids[length - n:])
+                                     for n in range(self.min_n, min(self.max_n, length - 1) + 1)}
         found = (length, 0)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            start = self.latest[n].get(tuple(ids[length - n:]))
+            start = self.latest[n].get(suffixes[n])
             if start is not None:
                 found = (start + n, n)
                 break
@@ -111,6 +120,7 @@ class NgramProposer(Proposer):
         super().__init__()
         NgramOptions(min_n, max_n)  # refuses bad sizes
         self.min_n, self.max_n = min_n, max_n
+        self._alone = True  # this step's batch is one sequence (prepare): draft_kind and max_draft_tokens look up
 
     @classmethod
     def from_config(cls, config, context) -> "NgramProposer":
@@ -128,20 +138,33 @@ class NgramProposer(Proposer):
             seq.draft_state = index
         return index
 
+    def prepare(self, seqs) -> None:
+        self._alone = len(seqs) == 1
+
     def draft_kind(self, seq) -> str:
-        """"lookup:1" where only the last token matched, else "lookup": adaptive K learns the two's acceptance
-        apart (their step costs are a lookup's, the same).
+        """Alone in its step: "lookup:1" where only the last token matched, else "lookup", and adaptive K learns
+        the two's acceptance apart (their step costs are a lookup's, the same). In a batch: "lookup", with no
+        lookup until the sequences that draft propose.
 
         Why: on Spec-Bench chat (SmolLM2, greedy, batch 1) 1-token matches were 434 of 673 drafting steps and
         their first draft passed 0.25 of the time, against 0.41, 0.59 and 0.73 for 2-, 3- and 4-token matches.
         One estimate for all of them priced a 1-token match's later positions at what the long matches accepted
         there (0.88-0.9), so it drafted 3 on a 0.25 chance (benchmarks/RESULTS.md, session 42). A class for each
-        length drafted more at batch 4, where a draft row costs ~0.6 of a token, and lost 2-3% there."""
+        length drafted more at batch 4, where a draft row costs ~0.6 of a token, and lost 2-3% there.
+
+        Why not in a batch: the lookup every step is host time for every sequence (~5 us each in Python), and at
+        64 sequences on a CPU, where almost nothing drafts, it took the step's host time from 1.47 to 2.1 ms
+        (host_time.py). Batched, a sequence's draft is looked up when the policy gives it a k, as before."""
+        if not self._alone:
+            return "lookup"
         _, n = self._index(seq).match(seq.token_ids)
         return "lookup:1" if n == 1 else "lookup"
 
     def max_draft_tokens(self, seq) -> int:
-        """What follows the match in the history (0: nothing matches, so the step does not draft)."""
+        """Alone: what follows the match in the history (0: nothing matches, so the step does not draft). In a
+        batch: no bound (not looked up; the draft proposed is as long as the match gives)."""
+        if not self._alone:
+            return super().max_draft_tokens(seq)
         begin, n = self._index(seq).match(seq.token_ids)
         return len(seq.token_ids) - begin if n else 0
 

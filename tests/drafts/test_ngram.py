@@ -80,3 +80,19 @@ def test_the_match_is_found_once_per_history_and_found_again_as_it_grows():
     assert proposer.draft_kind(seq) == "lookup" and proposer.propose(seq, 4).tokens.tolist() == []
     fresh = _seq(seq.token_ids)  # the whole history indexed: "1 2 8" occurred at 1
     assert proposer.max_draft_tokens(fresh) == 3 and proposer.propose(fresh, 4).tokens.tolist() == [1, 2, 8]
+
+
+def test_in_a_batch_nothing_is_looked_up_before_a_draft_is_asked_for():
+    """Batched steps keep one kind ("lookup") and no bound, so the lookup's host time is spent only on the
+    sequences that draft; a step alone again classifies."""
+    proposer = NgramProposer()
+    seqs = [_seq([7, 1, 2, 8, 9, 4, 1]), _seq([7, 1, 2, 8, 9, 4, 1, 2])]
+    for seq in seqs:
+        seq.draft_state = proposer.new_state(seq)
+    proposer.prepare(seqs)
+    assert [proposer.draft_kind(seq) for seq in seqs] == ["lookup", "lookup"]
+    assert all(proposer.max_draft_tokens(seq) >= 1 << 20 for seq in seqs)
+    assert all(not seq.draft_state.ids for seq in seqs)  # nothing indexed yet
+    assert proposer.propose(seqs[0], 3).tokens.tolist() == [2, 8, 9]
+    proposer.prepare(seqs[:1])
+    assert proposer.draft_kind(seqs[0]) == "lookup:1" and proposer.max_draft_tokens(seqs[0]) == 5

@@ -264,7 +264,7 @@ class Proposer(ABC):
         """How `seq`'s drafts are made this step, which keys adaptive K's step costs and acceptance estimates:
         "model" (draft forwards) or "lookup" (free). Asked after `prepare`; a proposer that switches per step
         (model_lookup) answers per step, so neither kind's costs or acceptance are averaged into the other's.
-        A kind may name a class after a colon ("lookup:2": ngram's 2-token matches): acceptance is learned per
+        A kind may name a class after a colon ("lookup:1": ngram's 1-token matches): acceptance is learned per
         class, step costs per kind (the part before the colon), as the classes' drafts cost alike."""
         return "model" if self.runs_a_model else "lookup"
 

@@ -32,7 +32,7 @@ class StepTiming:
 
 
 def cost_kind(kind: str) -> str:
-    """The kind whose step costs drafts of `kind` share: a class of a kind ("lookup:2") costs what the kind does
+    """The kind whose step costs drafts of `kind` share: a class of a kind ("lookup:1") costs what the kind does
     (Proposer.draft_kind)."""
     return kind.partition(":")[0]
 

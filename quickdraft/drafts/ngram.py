@@ -51,12 +51,11 @@ class NgramIndex(DraftState):
         self.min_n, self.max_n = min_n, max_n
         self.latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
         self.ids: list[int] = []  # the history indexed so far
-        # match()'s answer for the history length it was asked at: a step asks it for the draft's kind, its
-        # length and its tokens (draft_kind, max_draft_tokens, propose), and the history is the same.
-        self._match: tuple[int, tuple[int, int]] | None = None
-        # The history's last-n tokens as match() made them, by n: the windows the next token makes indexable
-        # (a step's one committed token then costs no new keys; at 64 sequences this is host time every step).
-        self._suffixes: dict[int, tuple[int, ...]] = {}
+        # match()'s last answer: (the history length it was asked at, its answer, that history's last-n tokens by
+        # n). A step asks it for the draft's kind, its length and its tokens (draft_kind, max_draft_tokens,
+        # propose) on the same history; and the last-n tokens are the windows the next token makes indexable, so a
+        # step's one committed token costs no new keys (at 64 sequences this is host time every step).
+        self._match: tuple[int, tuple[int, int], dict[int, tuple[int, ...]]] | None = None
 
     def _catch_up(self, history: list[int]) -> None:
         ids = self.ids
@@ -67,7 +66,7 @@ class NgramIndex(DraftState):
             self.__init__(self.min_n, self.max_n)
             ids, old = self.ids, 0
         ids.extend(history[old:])
-        suffixes = self._suffixes if self._match is not None and self._match[0] == old else {}
+        suffixes = self._match[2] if self._match is not None and self._match[0] == old else {}
         for n, latest in self.latest.items():
             # Windows ending (exclusive) at e <= len - 1, i.e. inside the history but its last token.
             for end in range(max(n, old), len(ids)):
@@ -81,15 +80,14 @@ class NgramIndex(DraftState):
         ids, length = self.ids, len(self.ids)
         if self._match is not None and self._match[0] == length:
             return self._match[1]
-        suffixes = self._suffixes = {n: tuple(ids[length - n:])
-                                     for n in range(self.min_n, min(self.max_n, length - 1) + 1)}
+        suffixes = {n: tuple(ids[length - n:]) for n in range(self.min_n, min(self.max_n, length - 1) + 1)}
         found = (length, 0)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             start = self.latest[n].get(suffixes[n])
             if start is not None:
                 found = (start + n, n)
                 break
-        self._match = (length, found)
+        self._match = (length, found, suffixes)
         return found
 
     def continuation(self, history: list[int], k: int) -> list[int]:
